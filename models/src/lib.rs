@@ -1,0 +1,18 @@
+//! Specula's model runtime on candle: loading (GGUF and HF safetensors), the llama-family
+//! architectures, a KV cache that the speculative loop can roll back, hidden-state taps,
+//! tokenizers rebuilt from GGUF metadata, chat templates and sampling.
+//!
+//! The one entry point most callers need is [`load`]: it returns a [`LoadedModel`] with the
+//! [`Model`], its [`Tokenizer`] and its [`ChatTemplate`].
+
+pub mod arch;
+pub mod chat;
+pub mod config;
+pub mod error;
+pub mod kv_cache;
+pub mod layers;
+pub mod loader;
+pub mod sampling;
+pub mod tokenizer;
+
+pub use error::{Error, Result};

@@ -1,0 +1,1 @@
+//! Specula's drafter protocol: wire types, version negotiation, tensor views and the drafter SDK.

@@ -1,0 +1,1 @@
+//! Drafter processes: spawn, handshake, supervision (in progress).
