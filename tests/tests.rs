@@ -1,1 +1,8 @@
-//! End-to-end tests.
+//! End-to-end tests: real binaries, real (small) models, real drafter processes.
+//!
+//! Real models are fetched on first use by `scripts/fetch-model` (see `specula_tests::model_path`).
+
+mod drafters;
+mod generate;
+mod golden;
+mod tokenizer;

@@ -1,1 +1,397 @@
-//! (in progress)
+//! Chat templates: the model's Jinja template rendered with minijinja the way Hugging Face's
+//! `apply_chat_template` renders it with jinja2.
+//!
+//! Hugging Face compiles templates with `trim_blocks` and `lstrip_blocks`, the `loopcontrols`
+//! extension, and the globals `raise_exception` and `strftime_now`; its `tojson` writes
+//! non-ASCII as is and uses Python's `", "`/`": "` separators. Templates also call Python string
+//! methods (`.strip()`, `.startswith()`), which minijinja-contrib's `pycompat` provides. See
+//! `transformers/utils/chat_template_utils.py` for the reference.
+
+use std::path::Path;
+
+use minijinja::value::{Kwargs, Value};
+use minijinja::{Environment, ErrorKind};
+use serde::{Deserialize, Serialize};
+
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+
+/// One message of a conversation, as in the OpenAI chat API.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// The message text.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message with the given role and content.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// Whether to end the rendered prompt with the header of an assistant turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GenerationPrompt {
+    /// End with the opening of the assistant's turn (`<|im_start|>assistant\n`): the prompt to
+    /// generate a reply from.
+    Add,
+    /// Render the conversation only.
+    Omit,
+}
+
+/// A compiled chat template with the special tokens it may refer to.
+#[derive(Clone)]
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+const NAME: &str = "chat_template";
+
+impl ChatTemplate {
+    /// Compiles `source`; `bos_token` and `eos_token` are taken from `tok`.
+    ///
+    /// # Errors
+    /// [`Error::ChatTemplate`] when the template does not parse.
+    pub fn new(source: &str, tok: &Tokenizer) -> Result<ChatTemplate> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(NAME, source.to_string())
+            .map_err(|e| Error::ChatTemplate(format!("cannot parse the template: {e:#}")))?;
+        let text = |id: Option<u32>| id.and_then(|id| tok.id_to_token(id));
+        Ok(ChatTemplate {
+            env,
+            bos_token: text(tok.bos_id()),
+            eos_token: text(tok.eos_ids().first().copied()),
+        })
+    }
+
+    /// The template stored in a GGUF file (`tokenizer.chat_template`), if any.
+    ///
+    /// # Errors
+    /// [`Error::ChatTemplate`] when the key is not a string or the template does not parse.
+    pub fn from_gguf(
+        content: &candle_core::quantized::gguf_file::Content,
+        tok: &Tokenizer,
+    ) -> Result<Option<ChatTemplate>> {
+        use candle_core::quantized::gguf_file::Value as Gguf;
+        match content.metadata.get("tokenizer.chat_template") {
+            None => Ok(None),
+            Some(Gguf::String(source)) => ChatTemplate::new(source, tok).map(Some),
+            Some(other) => Err(Error::ChatTemplate(format!(
+                "tokenizer.chat_template should be a string, got {:?}",
+                other.value_type()
+            ))),
+        }
+    }
+
+    /// The template of a Hugging Face model folder: `chat_template.jinja` when present (as
+    /// transformers prefers it), else `chat_template` in `tokenizer_config.json` (a string, or
+    /// a list of named templates of which the one named `default` is used).
+    ///
+    /// # Errors
+    /// [`Error::Io`] when a file exists but cannot be read; [`Error::ChatTemplate`] when it is
+    /// malformed or the template does not parse.
+    pub fn from_hf_dir(dir: &Path, tok: &Tokenizer) -> Result<Option<ChatTemplate>> {
+        if let Some(source) = read_optional(&dir.join("chat_template.jinja"))? {
+            return ChatTemplate::new(&source, tok).map(Some);
+        }
+        let path = dir.join("tokenizer_config.json");
+        let Some(text) = read_optional(&path)? else {
+            return Ok(None);
+        };
+        let config: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::ChatTemplate(format!("{}: {e}", path.display())))?;
+        let source = match &config["chat_template"] {
+            serde_json::Value::Null => return Ok(None),
+            serde_json::Value::String(s) => s.as_str(),
+            serde_json::Value::Array(named) => named
+                .iter()
+                .find(|t| t["name"] == "default")
+                .and_then(|t| t["template"].as_str())
+                .ok_or_else(|| {
+                    Error::ChatTemplate(format!(
+                        "{}: chat_template lists no template named 'default'",
+                        path.display()
+                    ))
+                })?,
+            _ => {
+                return Err(Error::ChatTemplate(format!(
+                    "{}: chat_template should be a string or a list",
+                    path.display()
+                )))
+            }
+        };
+        ChatTemplate::new(source, tok).map(Some)
+    }
+
+    /// Renders a conversation to the prompt text the model was trained on.
+    ///
+    /// # Errors
+    /// [`Error::ChatTemplate`] when rendering fails, including the template's own
+    /// `raise_exception` (e.g. "Conversation roles must alternate").
+    pub fn render(&self, messages: &[ChatMessage], generation: GenerationPrompt) -> Result<String> {
+        let template = self
+            .env
+            .get_template(NAME)
+            .map_err(|e| Error::ChatTemplate(e.to_string()))?;
+        let ctx = minijinja::context! {
+            messages => messages,
+            add_generation_prompt => generation == GenerationPrompt::Add,
+            bos_token => self.bos_token,
+            eos_token => self.eos_token,
+            // Templates test `tools is not none`; transformers passes None when there are none.
+            tools => (),
+        };
+        template
+            .render(ctx)
+            .map_err(|e| Error::ChatTemplate(format!("cannot render: {e:#}")))
+    }
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish_non_exhaustive()
+    }
+}
+
+fn read_optional(path: &Path) -> Result<Option<String>> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok(Some(text)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(Error::Io {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// `raise_exception(msg)`: templates reject conversations they cannot render with it.
+fn raise_exception(msg: String) -> std::result::Result<Value, minijinja::Error> {
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+}
+
+/// `strftime_now(format)`: the local time, formatted like Python's `strftime`.
+fn strftime_now(format: String) -> std::result::Result<String, minijinja::Error> {
+    use std::fmt::Write;
+    let mut out = String::new();
+    // chrono reports a bad format specifier as a fmt::Error (to_string() would panic).
+    write!(out, "{}", chrono::Local::now().format(&format)).map_err(|_| {
+        minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: invalid format {format:?}"),
+        )
+    })?;
+    Ok(out)
+}
+
+/// `tojson` as transformers defines it: `json.dumps(x, ensure_ascii=False, indent=indent)`.
+fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let mut out = String::new();
+    py_json(value, indent, 0, &mut out)?;
+    Ok(Value::from(out))
+}
+
+/// Writes `v` as Python's `json.dumps` does: `", "` and `": "` separators without indent,
+/// `","` and newlines with one, non-ASCII characters unescaped.
+fn py_json(
+    v: &Value,
+    indent: Option<usize>,
+    depth: usize,
+    out: &mut String,
+) -> std::result::Result<(), minijinja::Error> {
+    use minijinja::value::ValueKind;
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', n * depth));
+        }
+    };
+    let sep = if indent.is_some() { "," } else { ", " };
+    match v.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        ValueKind::Number => out.push_str(&v.to_string()),
+        ValueKind::String => py_string(v.as_str().unwrap_or_default(), out),
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<Value> = v.try_iter()?.collect();
+            if items.is_empty() {
+                out.push_str("[]");
+                return Ok(());
+            }
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                py_json(item, indent, depth + 1, out)?;
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        ValueKind::Map => {
+            let keys: Vec<Value> = v.try_iter()?.collect();
+            if keys.is_empty() {
+                out.push_str("{}");
+                return Ok(());
+            }
+            out.push('{');
+            for (i, key) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                // Python turns non-string keys into strings.
+                py_string(&key.as_str().map_or_else(|| key.to_string(), str::to_string), out);
+                out.push_str(": ");
+                py_json(&v.get_item(key)?, indent, depth + 1, out)?;
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        _ => {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                format!("tojson: cannot serialize a {} value", v.kind()),
+            ))
+        }
+    }
+    Ok(())
+}
+
+fn py_string(s: &str, out: &mut String) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tokenizer::tests::{gguf_content, load};
+
+    fn template(src: &str) -> ChatTemplate {
+        ChatTemplate::new(src, &load("smollm2-135m")).unwrap()
+    }
+
+    fn user(text: &str) -> Vec<ChatMessage> {
+        vec![ChatMessage::new("user", text)]
+    }
+
+    #[test]
+    fn real_templates_render_system_and_user() {
+        let msgs = [
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "Hi"),
+        ];
+        for (model, expected) in [
+            ("smollm2-135m", "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"),
+            ("qwen2.5-coder-0.5b", "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"),
+        ] {
+            let content = gguf_content(model);
+            let tok = Tokenizer::from_gguf(&content).unwrap();
+            let chat = ChatTemplate::from_gguf(&content, &tok).unwrap().expect("template");
+            assert_eq!(chat.render(&msgs, GenerationPrompt::Add).unwrap(), expected, "{model}");
+        }
+    }
+
+    #[test]
+    fn hf_globals_and_python_methods() {
+        let t = template(
+            "{% for m in messages %}{{ m.content.strip().upper() }}|{{ m.role.startswith('us') }}|\
+             {{ bos_token }}{{ eos_token }}|{{ tools is none }}|{{ add_generation_prompt }}{% endfor %}",
+        );
+        assert_eq!(
+            t.render(&user("  hi  "), GenerationPrompt::Omit).unwrap(),
+            "HI|true|<|im_start|><|im_end|>|true|false"
+        );
+    }
+
+    #[test]
+    fn trim_and_lstrip_blocks_like_hf() {
+        let t = template("{% for m in messages %}\n    {% if true %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}\n");
+        assert_eq!(t.render(&user("x"), GenerationPrompt::Omit).unwrap(), "[x]\n");
+    }
+
+    #[test]
+    fn tojson_matches_python_json_dumps() {
+        let t = template(
+            "{{ {'a': [1, 2.5, none, true], 'é': 'q\"\\n'} | tojson }}\n{{ [1, {'k': []}] | tojson(indent=2) }}",
+        );
+        assert_eq!(
+            t.render(&[], GenerationPrompt::Omit).unwrap(),
+            "{\"a\": [1, 2.5, null, true], \"é\": \"q\\\"\\n\"}\n[\n  1,\n  {\n    \"k\": []\n  }\n]"
+        );
+    }
+
+    #[test]
+    fn loop_controls_and_strftime() {
+        let t = template("{% for i in [1, 2, 3] %}{% if i == 2 %}{% break %}{% endif %}{{ i }}{% endfor %}-{{ strftime_now('%Y') }}");
+        let out = t.render(&[], GenerationPrompt::Omit).unwrap();
+        let year = chrono::Local::now().format("%Y").to_string();
+        assert_eq!(out, format!("1-{year}"));
+    }
+
+    #[test]
+    fn errors_are_chat_template_errors() {
+        let t = template("{{ raise_exception('Conversation roles must alternate') }}");
+        let err = t.render(&user("x"), GenerationPrompt::Omit).unwrap_err();
+        assert!(
+            matches!(&err, Error::ChatTemplate(m) if m.contains("Conversation roles must alternate")),
+            "{err}"
+        );
+        let err = ChatTemplate::new("{% for %}", &load("smollm2-135m")).unwrap_err();
+        assert!(matches!(err, Error::ChatTemplate(_)), "{err}");
+        let err = template("{{ strftime_now('%Q%') }}").render(&[], GenerationPrompt::Omit);
+        assert!(matches!(err, Err(Error::ChatTemplate(_))), "{err:?}");
+    }
+
+    #[test]
+    fn hf_dir_template_sources() {
+        let dir = std::env::temp_dir().join(format!("specula-chat-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let tok = load("smollm2-135m");
+        assert!(ChatTemplate::from_hf_dir(&dir, &tok).unwrap().is_none());
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ messages|length }}"}]}"#,
+        )
+        .unwrap();
+        let t = ChatTemplate::from_hf_dir(&dir, &tok).unwrap().unwrap();
+        assert_eq!(t.render(&user("x"), GenerationPrompt::Omit).unwrap(), "D1");
+        std::fs::write(dir.join("chat_template.jinja"), "J").unwrap();
+        let t = ChatTemplate::from_hf_dir(&dir, &tok).unwrap().unwrap();
+        assert_eq!(t.render(&user("x"), GenerationPrompt::Omit).unwrap(), "J");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -58,6 +58,15 @@ pub enum Error {
         /// The context length.
         max: usize,
     },
+    /// A caller passed arguments that cannot work (e.g. `last_k` larger than the chunk,
+    /// truncating a KV cache past its length).
+    #[error("invalid request to {op}: {reason}")]
+    InvalidRequest {
+        /// The operation called.
+        op: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
     /// Tokenizer construction, encoding or decoding failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),

@@ -12,7 +12,14 @@ pub mod error;
 pub mod kv_cache;
 pub mod layers;
 pub mod loader;
+pub mod model;
 pub mod sampling;
+pub mod testing;
 pub mod tokenizer;
+pub mod weights;
 
 pub use error::{Error, Result};
+pub use kv_cache::KvCache;
+pub use loader::{load_model, LoadOptions};
+pub use model::{ForwardOutput, ForwardRequest, Model, TapId};
+pub use weights::WeightDType;

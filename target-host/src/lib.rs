@@ -1,6 +1,23 @@
 //! Specula's target host: owns the target model, its KV cache, the speculative verify loop and
 //! the OpenAI-compatible HTTP API. Drafters live in other processes and are reached through
 //! [`drafter`]; the verify loop only ever sees them as a [`proposer::Proposer`].
+//!
+//! | module | job |
+//! |---|---|
+//! | [`models`] | resolve `--model` (path or fetchable name) and load it |
+//! | [`generation`] | one request: prefill, draft → verify → commit rounds |
+//! | [`verify`] | greedy acceptance and lossless rejection sampling |
+//! | [`engine`] | the worker thread and request queue behind the server |
+//! | [`drafter`] | drafter processes: spawn, handshake, supervision |
+//! | [`drafter_args`] | the `--drafter` command-line options |
+//! | [`http`] | the OpenAI-compatible server and the admin API |
 
 pub mod drafter;
+pub mod drafter_args;
+pub mod engine;
+pub mod generation;
+pub mod http;
+pub mod models;
 pub mod proposer;
+pub mod text;
+pub mod verify;

@@ -1,1 +1,185 @@
-fn main() {}
+//! `target-host`: generate, tokenize, and serve with speculative decoding.
+
+use std::io::Write;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use specula_models::chat::ChatMessage;
+use specula_models::sampling::SamplingParams;
+use target_host::generation::{generate, Flow, GenerationRequest, Speculation, Target};
+use target_host::models::{load_model, ModelArgs};
+use target_host::proposer::ProposerSlot;
+
+#[derive(Parser)]
+#[command(name = "target-host", version, about = "Specula: speculative decoding with out-of-process drafters")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt and stream it to stdout.
+    Generate(GenerateArgs),
+    /// Print the token ids of a text as a JSON array.
+    Tokenize {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// The text to tokenize.
+        #[arg(long)]
+        text: String,
+    },
+    /// Serve the OpenAI-compatible HTTP API.
+    Serve(target_host::http::ServeArgs),
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Raw completion text.
+    #[arg(long, conflicts_with = "chat", required_unless_present = "chat")]
+    prompt: Option<String>,
+    /// A user message, wrapped in the model's chat template.
+    #[arg(long)]
+    chat: Option<String>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling mass.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep only the k most likely tokens.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Drop tokens below this fraction of the top token's probability.
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Penalise tokens already in the context (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Random seed (sampling is reproducible with a seed).
+    #[arg(long)]
+    seed: Option<u64>,
+    #[command(flatten)]
+    drafter: target_host::drafter_args::DrafterArgs,
+    /// Print one JSON object with the text, ids and stats instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Generate(args) => generate_cmd(args),
+        Command::Tokenize { model, text } => {
+            let loaded = load_model(&model)?;
+            let ids = loaded.tokenizer.encode(&text)?;
+            println!("{}", serde_json::to_string(&ids)?);
+            Ok(())
+        }
+        Command::Serve(args) => target_host::http::serve(args),
+    }
+}
+
+fn generate_cmd(args: GenerateArgs) -> Result<()> {
+    let loaded = load_model(&args.model)?;
+    let text = match (&args.prompt, &args.chat) {
+        (Some(p), _) => p.clone(),
+        (None, Some(c)) => {
+            let template = loaded
+                .chat_template
+                .as_ref()
+                .context("--chat: the model has no chat template (use --prompt)")?;
+            template.render(
+                &[ChatMessage {
+                    role: "user".into(),
+                    content: c.clone(),
+                }],
+                true,
+            )?
+        }
+        (None, None) => unreachable!("clap requires --prompt or --chat"),
+    };
+    let prompt_ids = loaded.tokenizer.encode(&text)?;
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: args.seed,
+    };
+    let (proposer, speculation) = args.drafter.start(&loaded)?;
+    let slot = ProposerSlot::new(proposer);
+    let req = GenerationRequest {
+        session: 1,
+        prompt_ids: prompt_ids.clone(),
+        max_tokens: args.max_tokens,
+        sampling,
+        stop: Vec::new(),
+        speculation,
+        logprobs: None,
+    };
+    let target = Target {
+        model: &loaded.model,
+        tokenizer: &loaded.tokenizer,
+    };
+    let mut cache = loaded.model.new_cache();
+    let stdout = std::io::stdout();
+    let json = args.json;
+    let mut sink = |ev: target_host::generation::TokenEvent<'_>| {
+        if !json {
+            let mut out = stdout.lock();
+            // A closed stdout (e.g. `| head`) ends generation quietly.
+            if out.write_all(ev.text.as_bytes()).and_then(|_| out.flush()).is_err() {
+                return Flow::Cancel;
+            }
+        }
+        Flow::Continue
+    };
+    let gen = generate(&target, &mut cache, &slot, &req, &mut sink)?;
+    if json {
+        let out = serde_json::json!({
+            "text": gen.text,
+            "prompt_ids": prompt_ids,
+            "token_ids": gen.token_ids,
+            "finish_reason": gen.finish_reason,
+            "stats": gen.stats,
+        });
+        println!("{out}");
+    } else {
+        println!();
+    }
+    if !matches!(speculation, Speculation::Off) {
+        let s = &gen.stats;
+        tracing::info!(
+            "drafted {} accepted {} ({:.1}%), {:.2} accepted/round, {:.1} tok/s",
+            s.drafted,
+            s.accepted,
+            100.0 * s.acceptance_rate,
+            s.mean_accepted_per_round,
+            s.decode_tokens_per_s
+        );
+    }
+    Ok(())
+}

@@ -78,11 +78,55 @@ pub trait Proposer: Send {
         sampling: &SamplingParams,
         prompt_taps: Option<&TapRows>,
     );
-    /// Asks for up to `n` drafts. `new_tokens` are the ids committed since the proposer last heard
-    /// of this session (empty right after `open`).
+    /// Asks for up to `n` drafts. `new_tokens` are ids committed to the context that the proposer
+    /// has not been told of, neither by `open` nor by a [`Verdict::committed`] (usually empty; not
+    /// empty after rounds decoded without this proposer, e.g. while it was restarting).
     fn draft(&mut self, session: SessionId, new_tokens: &[u32], n: usize) -> Draft;
     /// Reports how the last draft fared.
     fn verdict(&mut self, session: SessionId, verdict: &Verdict<'_>);
     /// Ends a session.
     fn close(&mut self, session: SessionId);
+}
+
+/// The proposer currently in use, swappable while requests run (hot-swap).
+///
+/// A request opens its session on whatever proposer is current; at every round boundary it
+/// compares the slot's epoch with the one it opened on and, when a swap happened, opens the
+/// session again on the new proposer with the whole context so far.
+#[derive(Default)]
+pub struct ProposerSlot {
+    inner: std::sync::Mutex<Current>,
+}
+
+/// The slot's content: the current proposer and the epoch it was installed at.
+#[derive(Default)]
+pub struct Current {
+    /// Bumped by every [`ProposerSlot::replace`].
+    pub epoch: u64,
+    /// The proposer, or `None` when speculation is off.
+    pub proposer: Option<Box<dyn Proposer>>,
+}
+
+impl ProposerSlot {
+    /// A slot holding `proposer`.
+    pub fn new(proposer: Option<Box<dyn Proposer>>) -> Self {
+        ProposerSlot {
+            inner: std::sync::Mutex::new(Current { epoch: 0, proposer }),
+        }
+    }
+
+    /// Installs `proposer` and returns the previous one, which the caller shuts down (by
+    /// dropping it) outside the lock.
+    pub fn replace(&self, proposer: Option<Box<dyn Proposer>>) -> Option<Box<dyn Proposer>> {
+        let mut cur = self.lock();
+        cur.epoch += 1;
+        std::mem::replace(&mut cur.proposer, proposer)
+    }
+
+    /// Locks the slot. Hold it only across proposer calls, never across a target forward.
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, Current> {
+        // A panic while holding the lock leaves a proposer in an unknown state, but the slot
+        // itself (epoch + box) is always consistent, so poisoning is not an error here.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }

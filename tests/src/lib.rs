@@ -1,1 +1,58 @@
-//! Helpers shared by the end-to-end tests.
+//! Helpers shared by the end-to-end tests: locating the workspace, fetching real models, finding
+//! the built binaries, tiny models, and in-process proposers a test controls.
+
+pub mod proposers;
+pub mod tiny;
+
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+
+/// Root of the workspace (the folder holding the top-level `Cargo.toml`).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("invariant: tests/ lives inside the workspace")
+        .to_path_buf()
+}
+
+/// Path of a real GGUF model, fetched by `scripts/fetch-model NAME` when it is not there yet.
+///
+/// # Panics
+/// When the fetch script fails: the end-to-end tests cannot run without their model, and a
+/// skipped test must not pass as green.
+pub fn model_path(name: &str) -> PathBuf {
+    // Two tests asking for the same model at once would race on the download.
+    static FETCH: Mutex<()> = Mutex::new(());
+    let _guard = FETCH.lock().unwrap_or_else(|e| e.into_inner());
+    let root = workspace_root();
+    let out = Command::new(root.join("scripts/fetch-model"))
+        .arg(name)
+        .output()
+        .expect("run scripts/fetch-model");
+    assert!(
+        out.status.success(),
+        "scripts/fetch-model {name} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+/// Path of a binary built by this workspace (`target-host`, `ngram`, ...), in the same profile
+/// as the running test.
+pub fn bin_path(name: &str) -> PathBuf {
+    // Test executables live in target/<profile>/deps; binaries one folder up.
+    let exe = std::env::current_exe().expect("current test executable");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("invariant: test binary lives in target/<profile>/deps");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is not built: run `cargo build --workspace` before the tests",
+        path.display()
+    );
+    path
+}

@@ -1,1 +1,17 @@
-//! (in progress)
+//! The building blocks shared by every architecture: linear projections (dense or quantized),
+//! RMS norm, rotary embeddings, attention over the [`crate::kv_cache::KvCache`], the gated MLP
+//! and the token embedding.
+
+pub mod attention;
+pub mod embedding;
+pub mod linear;
+pub mod mlp;
+pub mod norm;
+pub mod rope;
+
+pub use attention::Attention;
+pub use embedding::Embedding;
+pub use linear::Linear;
+pub use mlp::Mlp;
+pub use norm::RmsNorm;
+pub use rope::{Rope, RopeStyle};

@@ -1,0 +1,74 @@
+//! A linear projection `y = x W^T (+ b)` over weights kept `[out, in]`, either quantized
+//! (candle `QMatMul` over GGUF blocks) or dense in f32/f16/bf16.
+
+use std::sync::Arc;
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Module, Tensor};
+
+use crate::error::Result;
+
+/// How the weight is stored.
+#[derive(Clone, Debug)]
+pub enum Weight {
+    /// GGUF blocks; candle dequantizes F32/F16 GGUF tensors to a dense tensor itself.
+    Quantized(QMatMul),
+    /// Dense `[out, in]` in any float dtype.
+    Dense(Tensor),
+}
+
+/// Linear layer with optional bias (bias kept in f32).
+#[derive(Clone, Debug)]
+pub struct Linear {
+    weight: Weight,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// A quantized projection.
+    ///
+    /// # Errors
+    /// If candle cannot wrap the tensor.
+    pub fn quantized(weight: Arc<QTensor>, bias: Option<Tensor>) -> Result<Self> {
+        Ok(Self {
+            weight: Weight::Quantized(QMatMul::from_arc(weight)?),
+            bias: bias.map(|b| b.to_dtype(DType::F32)).transpose()?,
+        })
+    }
+
+    /// A dense projection over `weight` `[out, in]`.
+    ///
+    /// # Errors
+    /// If the bias cannot be converted to f32.
+    pub fn dense(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        Ok(Self {
+            weight: Weight::Dense(weight),
+            bias: bias.map(|b| b.to_dtype(DType::F32)).transpose()?,
+        })
+    }
+
+    /// The stored weight.
+    pub fn weight(&self) -> &Weight {
+        &self.weight
+    }
+
+    /// `xs` `[rows, in]` f32 → `[rows, out]` f32.
+    ///
+    /// # Errors
+    /// On a shape mismatch.
+    pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let ys = match &self.weight {
+            Weight::Quantized(q) => q.forward(&xs.contiguous()?)?,
+            Weight::Dense(w) if w.dtype() == DType::F32 => xs.matmul(&w.t()?)?,
+            // Half-precision weights: multiply in their dtype (no dequantized copy of W).
+            Weight::Dense(w) => xs
+                .to_dtype(w.dtype())?
+                .matmul(&w.t()?)?
+                .to_dtype(DType::F32)?,
+        };
+        match &self.bias {
+            Some(b) => Ok(ys.broadcast_add(b)?),
+            None => Ok(ys),
+        }
+    }
+}

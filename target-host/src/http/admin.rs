@@ -1,0 +1,346 @@
+//! The drafter admin API: list drafters, hot-swap a new one in, turn speculation off.
+//!
+//! | route | effect |
+//! |---|---|
+//! | `GET /admin/drafters` | every drafter this server ran: name, protocol version, pid, state, restarts, acceptance |
+//! | `POST /admin/drafters {"path", "args"}` | spawn + handshake (off the async threads), make it current, shut the old one down |
+//! | `DELETE /admin/drafters/current` | no drafter: requests decode without speculation |
+//!
+//! In-flight requests move to the new drafter at their next round boundary (the verify loop
+//! re-opens their session on it with the whole context), so a swap never changes output. A
+//! drafter that fails to start leaves the current one in place. With `--admin-token` every
+//! admin route needs `Authorization: Bearer TOKEN`; on a non-loopback address without a token
+//! the admin API is refused altogether (403).
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::{Deserialize, Serialize};
+
+use super::error::{ApiError, ApiJson};
+use super::metrics::{DrafterMeter, Metered, Metrics};
+use super::AppState;
+use crate::proposer::Proposer;
+
+/// Live status of a running drafter, as its supervisor reports it.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct DrafterStatus {
+    /// Negotiated protocol version (`major.minor`).
+    pub protocol_version: Option<String>,
+    /// Process id of the drafter process, when it is one and it is running.
+    pub pid: Option<u32>,
+    /// Supervisor state (`starting`, `ready`, `backoff`, `failed`, `stopped`).
+    pub state: String,
+    /// Restarts by the supervisor.
+    pub restarts: u64,
+}
+
+/// A started drafter: the proposer to install and a way to read its status later.
+pub struct Launched {
+    /// The proposer.
+    pub proposer: Box<dyn Proposer>,
+    /// Reads the drafter's live status (called on `GET /admin/drafters` and `/metrics`).
+    pub status: Box<dyn Fn() -> DrafterStatus + Send + Sync>,
+}
+
+/// Spawns and handshakes the drafter at `path` with `args` (blocking).
+pub type Launcher = Box<dyn Fn(&str, &[String]) -> anyhow::Result<Launched> + Send + Sync>;
+
+/// `POST /admin/drafters` body.
+#[derive(Debug, Deserialize)]
+pub struct InstallRequest {
+    /// Drafter executable: a path, or a name found next to `target-host`.
+    pub path: String,
+    /// Its arguments.
+    #[serde(default)]
+    pub args: Vec<String>,
+}
+
+/// One drafter in `GET /admin/drafters`.
+#[derive(Debug, Clone, Serialize)]
+pub struct DrafterView {
+    /// Registry id (1, 2, ... in installation order).
+    pub id: u64,
+    /// The drafter's name.
+    pub name: String,
+    /// Executable, when known.
+    pub path: Option<String>,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Whether requests draft with it now.
+    pub current: bool,
+    /// Live status (`state` is `stopped` once swapped out).
+    #[serde(flatten)]
+    pub status: DrafterStatus,
+    /// Drafts offered by drafters of this name.
+    pub drafted: u64,
+    /// Drafts accepted.
+    pub accepted: u64,
+    /// `accepted / drafted`.
+    pub acceptance_rate: f64,
+}
+
+struct Record {
+    id: u64,
+    name: String,
+    path: Option<String>,
+    args: Vec<String>,
+    meter: Arc<DrafterMeter>,
+    /// `None` once stopped.
+    status: Option<Box<dyn Fn() -> DrafterStatus + Send + Sync>>,
+    last: DrafterStatus,
+}
+
+impl Record {
+    fn view(&self, current: bool) -> DrafterView {
+        let status = match &self.status {
+            Some(read) => read(),
+            None => self.last.clone(),
+        };
+        DrafterView {
+            id: self.id,
+            name: self.name.clone(),
+            path: self.path.clone(),
+            args: self.args.clone(),
+            current,
+            status,
+            drafted: self.meter.drafted.load(Ordering::Relaxed),
+            accepted: self.meter.accepted.load(Ordering::Relaxed),
+            acceptance_rate: self.meter.acceptance_rate(),
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(read) = self.status.take() {
+            self.last = read();
+        }
+        self.last.state = "stopped".into();
+        self.last.pid = None;
+    }
+}
+
+#[derive(Default)]
+struct Registry {
+    records: Vec<Record>,
+    current: Option<u64>,
+}
+
+/// Drafter hot-swap state and the admin API's access rules.
+pub struct Admin {
+    token: Option<String>,
+    loopback: bool,
+    launcher: Option<Launcher>,
+    registry: Arc<Mutex<Registry>>,
+    /// One swap at a time: two concurrent installs must not both think they replaced the other.
+    swapping: tokio::sync::Mutex<()>,
+}
+
+fn lock(m: &Mutex<Registry>) -> std::sync::MutexGuard<'_, Registry> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Admin {
+    /// Admin state for a server bound to a loopback address or not, with `launcher` to start
+    /// drafters (`None`: `POST` answers 501). Restart counts are reported to `metrics`.
+    pub fn new(token: Option<String>, loopback: bool, launcher: Option<Launcher>, metrics: &Metrics) -> Admin {
+        let registry: Arc<Mutex<Registry>> = Arc::default();
+        let source = registry.clone();
+        metrics.set_restart_source(Box::new(move || {
+            lock(&source)
+                .records
+                .iter()
+                .map(|r| (r.name.clone(), r.view(false).status.restarts))
+                .collect()
+        }));
+        Admin {
+            token,
+            loopback,
+            launcher,
+            registry,
+            swapping: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// Records `launched` as the current drafter and returns the proposer to install, metered.
+    pub fn register(
+        &self,
+        launched: Launched,
+        path: Option<String>,
+        args: Vec<String>,
+        metrics: &Metrics,
+    ) -> (Box<dyn Proposer>, DrafterView) {
+        let name = launched.proposer.name().to_string();
+        let metered = Metered::new(launched.proposer, metrics);
+        let mut reg = lock(&self.registry);
+        let id = reg.records.len() as u64 + 1;
+        let record = Record {
+            id,
+            meter: metrics.drafter(&name),
+            name,
+            path,
+            args,
+            status: Some(launched.status),
+            last: DrafterStatus::default(),
+        };
+        let view = record.view(true);
+        reg.records.push(record);
+        if let Some(old) = reg.current.replace(id) {
+            reg.records[old as usize - 1].stop();
+        }
+        (Box::new(metered), view)
+    }
+
+    /// Marks the current drafter stopped; returns its view.
+    fn unregister(&self) -> Option<DrafterView> {
+        let mut reg = lock(&self.registry);
+        let id = reg.current.take()?;
+        let record = &mut reg.records[id as usize - 1];
+        record.stop();
+        Some(record.view(false))
+    }
+
+    /// Name of the current drafter.
+    pub fn current_name(&self) -> Option<String> {
+        let reg = lock(&self.registry);
+        reg.current.map(|id| reg.records[id as usize - 1].name.clone())
+    }
+
+    fn views(&self) -> Vec<DrafterView> {
+        let reg = lock(&self.registry);
+        reg.records.iter().map(|r| r.view(reg.current == Some(r.id))).collect()
+    }
+}
+
+/// Access rule of every admin route (a `route_layer`).
+pub async fn guard(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let admin = &state.admin;
+    let Some(token) = &admin.token else {
+        if admin.loopback {
+            return next.run(req).await;
+        }
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            "admin_disabled",
+            "the admin API is disabled on a non-loopback address without --admin-token",
+        )
+        .into_response();
+    };
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match given {
+        Some(g) if constant_time_eq(g.as_bytes(), token.as_bytes()) => next.run(req).await,
+        _ => {
+            let mut resp = ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "invalid_admin_token",
+                "the admin API needs `Authorization: Bearer <admin token>`",
+            )
+            .into_response();
+            resp.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+            resp
+        }
+    }
+}
+
+/// Compares secrets without leaking the position of the first difference through timing.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// `GET /admin/drafters`.
+pub async fn list(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    let views = state.admin.views();
+    let current = views.iter().find(|v| v.current).map(|v| v.id);
+    Json(serde_json::json!({ "current": current, "drafters": views }))
+}
+
+/// `POST /admin/drafters`: starts the drafter, then swaps it in.
+///
+/// # Errors
+/// 400 for a bad body, 501 when this server cannot start drafters, 422 with the reason when the
+/// drafter fails to start or to handshake (the current drafter stays).
+pub async fn install(
+    State(state): State<Arc<AppState>>,
+    body: Result<ApiJson<InstallRequest>, ApiError>,
+) -> Result<(StatusCode, Json<DrafterView>), ApiError> {
+    let ApiJson(req) = body?;
+    if req.path.is_empty() {
+        return Err(ApiError::invalid("path", "path must not be empty"));
+    }
+    let _one_at_a_time = state.admin.swapping.lock().await;
+    let launch_state = state.clone();
+    let (path, args) = (req.path.clone(), req.args.clone());
+    let launched = tokio::task::spawn_blocking(move || {
+        let launcher = launch_state.admin.launcher.as_ref()?;
+        Some(launcher(&path, &args))
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+    let launched = match launched {
+        None => {
+            return Err(ApiError::new(
+                StatusCode::NOT_IMPLEMENTED,
+                "no_launcher",
+                "this server cannot start drafters",
+            ))
+        }
+        Some(Err(e)) => {
+            tracing::warn!(path = %req.path, "drafter failed to start: {e:#}");
+            return Err(ApiError {
+                status: StatusCode::UNPROCESSABLE_ENTITY,
+                message: format!("drafter {} failed to start: {e:#}", req.path),
+                param: Some("path".into()),
+                code: "drafter_failed",
+            });
+        }
+        Some(Ok(l)) => l,
+    };
+    let (proposer, view) = state.admin.register(launched, Some(req.path), req.args, &state.metrics);
+    swap_in(&state, Some(proposer)).await;
+    tracing::info!(drafter = %view.name, id = view.id, "drafter swapped in");
+    Ok((StatusCode::CREATED, Json(view)))
+}
+
+/// `DELETE /admin/drafters/current`: speculation off until a new drafter is installed.
+pub async fn remove(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    let _one_at_a_time = state.admin.swapping.lock().await;
+    let stopped = state.admin.unregister();
+    swap_in(&state, None).await;
+    tracing::info!("drafter removed: speculation off");
+    Json(serde_json::json!({ "current": null, "stopped": stopped }))
+}
+
+/// Installs `proposer` and shuts the old one down off the async threads (dropping a drafter
+/// client waits for its process to exit).
+async fn swap_in(state: &AppState, proposer: Option<Box<dyn Proposer>>) {
+    let slot = state.engine.slot().clone();
+    let done = tokio::task::spawn_blocking(move || {
+        let old = slot.replace(proposer);
+        drop(old);
+    })
+    .await;
+    if let Err(e) = done {
+        tracing::error!("shutting the old drafter down panicked: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_comparison() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret2"));
+    }
+}

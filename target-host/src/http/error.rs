@@ -1,0 +1,176 @@
+//! API errors with OpenAI's body, `{"error": {"message", "type", "param", "code"}}`, and the
+//! JSON extractor that turns every body rejection (bad JSON, wrong field type, oversized body)
+//! into one.
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Request};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+/// An error answered to the client.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// Human-readable reason.
+    pub message: String,
+    /// The request field at fault, when one is.
+    pub param: Option<String>,
+    /// A stable machine-readable code.
+    pub code: &'static str,
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    error: Inner<'a>,
+}
+
+#[derive(Serialize)]
+struct Inner<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    param: Option<&'a str>,
+    code: &'static str,
+}
+
+impl ApiError {
+    /// 400 `invalid_request_error` about `param`.
+    pub fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            param: Some(param.to_string()),
+            code: "invalid_value",
+        }
+    }
+
+    /// An error with any status and code, not tied to a field.
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+            param: None,
+            code,
+        }
+    }
+
+    /// The OpenAI `type` for this status.
+    fn kind(&self) -> &'static str {
+        match self.status {
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::FORBIDDEN => "permission_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            s if s.is_server_error() => "server_error",
+            _ => "invalid_request_error",
+        }
+    }
+
+    /// The body as a JSON value (also sent as an SSE `data:` line when a stream fails).
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::to_value(Body {
+            error: Inner {
+                message: &self.message,
+                kind: self.kind(),
+                param: self.param.as_deref(),
+                code: self.code,
+            },
+        })
+        .expect("invariant: the error body serializes")
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.to_json())).into_response()
+    }
+}
+
+/// A JSON body whose rejections are [`ApiError`]s: 400 for bad JSON or a wrong field (naming
+/// the field), 413 over the body limit.
+pub struct ApiJson<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        // Bytes (not axum's Json) so a missing content-type is accepted, as OpenAI does, and
+        // so the error names the field through serde_path_to_error.
+        let bytes = Bytes::from_request(req, state).await.map_err(|rej| {
+            let status = rej.status();
+            let code = if status == StatusCode::PAYLOAD_TOO_LARGE {
+                "body_too_large"
+            } else {
+                "unreadable_body"
+            };
+            ApiError::new(status, code, rej.body_text())
+        })?;
+        parse_json(&bytes).map(ApiJson)
+    }
+}
+
+/// Parses a request body, naming the offending field on a type error.
+///
+/// # Errors
+/// 400 `invalid_json` for malformed JSON, 400 `invalid_type` (with `param`) for a field of the
+/// wrong type or a missing required field.
+pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(bytes);
+    match serde_path_to_error::deserialize(de) {
+        Ok(v) => Ok(v),
+        Err(e) => {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            if inner.is_syntax() || inner.is_eof() {
+                return Err(ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_json",
+                    format!("the request body is not valid JSON: {inner}"),
+                ));
+            }
+            let param = (path != ".").then_some(path);
+            Err(ApiError {
+                status: StatusCode::BAD_REQUEST,
+                message: match &param {
+                    Some(p) => format!("invalid field `{p}`: {inner}"),
+                    None => format!("invalid request body: {inner}"),
+                },
+                param,
+                code: "invalid_type",
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, serde::Deserialize)]
+    struct T {
+        #[allow(dead_code)] // read by serde only: the test is about its type
+        max_tokens: Option<i64>,
+    }
+
+    #[test]
+    fn wrong_type_names_the_field() {
+        let e = parse_json::<T>(br#"{"max_tokens": "ten"}"#).unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        assert_eq!(e.code, "invalid_type");
+        let body = e.to_json();
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert_eq!(body["error"]["param"], "max_tokens");
+    }
+
+    #[test]
+    fn malformed_json_is_invalid_json() {
+        let e = parse_json::<T>(br#"{"max_tokens": "#).unwrap_err();
+        assert_eq!(e.code, "invalid_json");
+        assert!(e.param.is_none());
+        let e = parse_json::<T>(b"[1,").unwrap_err();
+        assert_eq!(e.code, "invalid_json");
+    }
+}

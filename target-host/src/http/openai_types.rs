@@ -1,0 +1,434 @@
+//! Wire types of the OpenAI-compatible API: request bodies as clients send them and response
+//! bodies shaped exactly as OpenAI's (`id`, `object`, `created`, `model`, `choices`, `usage`).
+//!
+//! Reference: <https://platform.openai.com/docs/api-reference/chat> and
+//! <https://platform.openai.com/docs/api-reference/completions>. Unknown request fields are
+//! ignored (clients send `user`, `presence_penalty`, ... freely); fields we read are typed, so a
+//! wrong type is a 400 that names the field.
+//!
+//! Specula extensions (both optional, ignored by OpenAI clients):
+//! - request `speculative: {"enabled": bool, "num_draft_tokens": int}` overrides the server's
+//!   speculation for one request (it can only change speed, never the output);
+//! - response `usage.speculative: {drafted, accepted, rounds, mean_accepted_per_round,
+//!   acceptance_rate}`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::generation::GenerationStats;
+
+/// `stop`: one string or a list of strings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StopField {
+    /// A single stop string.
+    One(String),
+    /// Several stop strings.
+    Many(Vec<String>),
+}
+
+impl StopField {
+    /// The stop strings as a list.
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            StopField::One(s) => vec![s],
+            StopField::Many(v) => v,
+        }
+    }
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with `usage` (and empty `choices`) before `[DONE]`.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Specula extension: per-request speculation settings.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct SpeculativeField {
+    /// `false` decodes without a drafter; `true` (default) drafts when a drafter is installed.
+    pub enabled: Option<bool>,
+    /// Drafts per round (default: the server's `--num-draft-tokens`).
+    pub num_draft_tokens: Option<usize>,
+}
+
+/// Fields shared by both generation endpoints.
+///
+/// Integers that may legitimately be out of range (`max_tokens`, `n`) are read as `i64` so a
+/// negative value gets a range error rather than a type error.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct CommonParams {
+    /// Model name; when given it must be the served model.
+    pub model: Option<String>,
+    /// Most tokens to generate.
+    pub max_tokens: Option<i64>,
+    /// Chat alias of `max_tokens` (wins when both are given).
+    pub max_completion_tokens: Option<i64>,
+    /// Sampling temperature (0 = greedy; default 1 as in OpenAI).
+    pub temperature: Option<f32>,
+    /// Nucleus mass.
+    pub top_p: Option<f32>,
+    /// Keep the k most likely tokens (0 or absent: off).
+    pub top_k: Option<i64>,
+    /// Relative probability floor.
+    pub min_p: Option<f32>,
+    /// Repetition penalty (1 = off).
+    pub repetition_penalty: Option<f32>,
+    /// Random seed.
+    pub seed: Option<u64>,
+    /// Stop strings.
+    pub stop: Option<StopField>,
+    /// Number of choices; only 1 is supported.
+    pub n: Option<i64>,
+    /// Stream with server-sent events.
+    #[serde(default)]
+    pub stream: bool,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Specula extension, see the module docs.
+    pub speculative: Option<SpeculativeField>,
+}
+
+/// `POST /v1/completions` body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// The prompt text.
+    pub prompt: PromptField,
+    /// Number of top alternatives to report per token (0..=20).
+    pub logprobs: Option<i64>,
+    /// Echo the prompt before the completion (only `false` is supported).
+    #[serde(default)]
+    pub echo: bool,
+    /// Shared fields.
+    #[serde(flatten)]
+    pub common: CommonParams,
+}
+
+/// `prompt`: a string, or a list holding exactly one string.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PromptField {
+    /// One prompt.
+    One(String),
+    /// A batch of prompts (only a batch of one is supported).
+    Many(Vec<String>),
+}
+
+/// One chat message as clients send it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessageIn {
+    /// `system`, `user`, `assistant`, ...
+    pub role: String,
+    /// The text, or a list of content parts.
+    #[serde(default)]
+    pub content: Option<MessageContent>,
+}
+
+/// Message content: a string or `[{"type": "text", "text": ...}]` parts.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    /// Plain text.
+    Text(String),
+    /// Content parts; only text parts are supported.
+    Parts(Vec<ContentPart>),
+}
+
+/// One content part.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    /// The part's type; only `text` is supported.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text of a `text` part.
+    pub text: Option<String>,
+}
+
+/// `POST /v1/chat/completions` body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    /// The conversation.
+    pub messages: Vec<ChatMessageIn>,
+    /// Report log-probabilities of the chosen tokens.
+    #[serde(default)]
+    pub logprobs: bool,
+    /// Alternatives per token (0..=20); needs `logprobs: true`.
+    pub top_logprobs: Option<i64>,
+    /// Shared fields.
+    #[serde(flatten)]
+    pub common: CommonParams,
+}
+
+/// Speculation counters of one request (Specula extension of `usage`).
+#[derive(Debug, Clone, Serialize)]
+pub struct SpeculativeUsage {
+    /// Drafts offered to the target.
+    pub drafted: usize,
+    /// Drafts the target accepted.
+    pub accepted: usize,
+    /// Rounds that had at least one draft.
+    pub rounds: usize,
+    /// `accepted / rounds`.
+    pub mean_accepted_per_round: f64,
+    /// `accepted / drafted`.
+    pub acceptance_rate: f64,
+}
+
+/// `usage`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Usage {
+    /// Prompt length in tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Their sum.
+    pub total_tokens: usize,
+    /// Speculation counters.
+    pub speculative: SpeculativeUsage,
+}
+
+impl Usage {
+    /// Usage of a finished generation.
+    pub fn from_stats(s: &GenerationStats) -> Usage {
+        Usage {
+            prompt_tokens: s.prompt_tokens,
+            completion_tokens: s.generated_tokens,
+            total_tokens: s.prompt_tokens + s.generated_tokens,
+            speculative: SpeculativeUsage {
+                drafted: s.drafted,
+                accepted: s.accepted,
+                rounds: s.rounds,
+                mean_accepted_per_round: s.mean_accepted_per_round,
+                acceptance_rate: s.acceptance_rate,
+            },
+        }
+    }
+}
+
+/// Completions' `logprobs` object (legacy format, parallel arrays).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CompletionLogprobs {
+    /// Token texts.
+    pub tokens: Vec<String>,
+    /// Their log-probabilities.
+    pub token_logprobs: Vec<f32>,
+    /// Per token, the top alternatives as `{text: logprob}`.
+    pub top_logprobs: Vec<serde_json::Map<String, serde_json::Value>>,
+    /// Byte offset of each token in the completion text.
+    pub text_offset: Vec<usize>,
+}
+
+/// One completion choice.
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionChoice {
+    /// Always 0 (`n` = 1).
+    pub index: usize,
+    /// Generated text (or the delta, in a stream chunk).
+    pub text: String,
+    /// Log-probabilities, when asked for.
+    pub logprobs: Option<CompletionLogprobs>,
+    /// `stop` or `length`; `null` in stream chunks before the last.
+    pub finish_reason: Option<&'static str>,
+}
+
+/// A completion response, or one stream chunk of it (`object: "text_completion"` for both, as
+/// OpenAI does).
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionResponse {
+    /// `cmpl-…`.
+    pub id: String,
+    /// `text_completion`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Served model name.
+    pub model: String,
+    /// The choices (empty in the final usage chunk).
+    pub choices: Vec<CompletionChoice>,
+    /// Token counts (stream chunks: only the usage chunk).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// One alternative in chat logprobs.
+#[derive(Debug, Clone, Serialize)]
+pub struct TopLogprob {
+    /// Token text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// UTF-8 bytes of the token text.
+    pub bytes: Vec<u8>,
+}
+
+/// Chat logprobs of one token.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatTokenLogprob {
+    /// Token text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// UTF-8 bytes of the token text.
+    pub bytes: Vec<u8>,
+    /// Most likely alternatives, best first.
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+/// Chat `logprobs` object.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChatLogprobs {
+    /// One entry per generated token.
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+/// The assistant's message in a chat response.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatMessageOut {
+    /// `assistant`.
+    pub role: &'static str,
+    /// The generated text.
+    pub content: String,
+}
+
+/// A chat choice.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChoice {
+    /// Always 0.
+    pub index: usize,
+    /// The reply.
+    pub message: ChatMessageOut,
+    /// Log-probabilities, when asked for.
+    pub logprobs: Option<ChatLogprobs>,
+    /// `stop` or `length`.
+    pub finish_reason: &'static str,
+}
+
+/// `chat.completion`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatResponse {
+    /// `chatcmpl-…`.
+    pub id: String,
+    /// `chat.completion`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Served model name.
+    pub model: String,
+    /// The single choice.
+    pub choices: Vec<ChatChoice>,
+    /// Token counts.
+    pub usage: Usage,
+}
+
+/// A streamed delta.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChatDelta {
+    /// `assistant` in the first chunk only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    /// New text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// A chat stream chunk's choice.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChunkChoice {
+    /// Always 0.
+    pub index: usize,
+    /// What changed.
+    pub delta: ChatDelta,
+    /// Log-probabilities of the tokens in this chunk.
+    pub logprobs: Option<ChatLogprobs>,
+    /// Set in the last content chunk.
+    pub finish_reason: Option<&'static str>,
+}
+
+/// `chat.completion.chunk`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChunk {
+    /// Same id for every chunk of a stream.
+    pub id: String,
+    /// `chat.completion.chunk`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Served model name.
+    pub model: String,
+    /// One choice, or none in the usage chunk.
+    pub choices: Vec<ChatChunkChoice>,
+    /// Only in the usage chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// `GET /v1/models` entry.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelCard {
+    /// Served model name.
+    pub id: String,
+    /// `model`.
+    pub object: &'static str,
+    /// Unix seconds when the server started.
+    pub created: u64,
+    /// `specula`.
+    pub owned_by: &'static str,
+    /// Context length in tokens (extension, as vLLM's `max_model_len`).
+    pub max_model_len: usize,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelList {
+    /// `list`.
+    pub object: &'static str,
+    /// The served model.
+    pub data: Vec<ModelCard>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_accepts_a_string_or_a_list() {
+        let one: CommonParams = serde_json::from_str(r#"{"stop": "x"}"#).unwrap();
+        assert_eq!(one.stop.unwrap().into_vec(), vec!["x"]);
+        let many: CommonParams = serde_json::from_str(r#"{"stop": ["a", "b"]}"#).unwrap();
+        assert_eq!(many.stop.unwrap().into_vec(), vec!["a", "b"]);
+        assert!(serde_json::from_str::<CommonParams>(r#"{"stop": 3}"#).is_err());
+    }
+
+    #[test]
+    fn chat_request_reads_flattened_common_fields() {
+        let req: ChatRequest = serde_json::from_str(
+            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}],
+                "max_tokens": 5, "stream": true, "logprobs": true, "top_logprobs": 2,
+                "speculative": {"enabled": false}, "user": "ignored"}"#,
+        )
+        .unwrap();
+        assert_eq!(req.common.max_tokens, Some(5));
+        assert!(req.common.stream && req.logprobs);
+        assert_eq!(req.top_logprobs, Some(2));
+        assert_eq!(req.common.speculative.unwrap().enabled, Some(false));
+        assert!(matches!(
+            req.messages[0].content,
+            Some(MessageContent::Parts(ref p)) if p[0].text.as_deref() == Some("hi")
+        ));
+    }
+
+    #[test]
+    fn stream_chunk_omits_absent_usage() {
+        let chunk = ChatChunk {
+            id: "x".into(),
+            object: "chat.completion.chunk",
+            created: 1,
+            model: "m".into(),
+            choices: vec![],
+            usage: None,
+        };
+        let v = serde_json::to_value(&chunk).unwrap();
+        assert!(v.get("usage").is_none());
+    }
+}

@@ -1,0 +1,227 @@
+//! Checking an API request and turning it into a [`GenerationRequest`]: every field the
+//! engine would reject, or silently misread, is answered with a 400 naming the field.
+
+use axum::http::StatusCode;
+use specula_models::sampling::SamplingParams;
+
+use super::error::ApiError;
+use super::openai_types::CommonParams;
+use super::AppState;
+use crate::generation::{GenerationRequest, Speculation};
+
+/// Most alternatives per token a request may ask for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: i64 = 20;
+
+/// Most stop strings per request (OpenAI allows 4; more is cheap for us but unbounded is not).
+const MAX_STOPS: usize = 16;
+
+/// What generation needs besides the prompt, checked.
+pub struct Checked {
+    /// Default `max_tokens` when the request has none (`None`: the rest of the context).
+    pub default_max_tokens: Option<usize>,
+    /// Sampling parameters.
+    pub sampling: SamplingParams,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Speculation for this request.
+    pub speculation: Speculation,
+    /// `max_tokens` as asked (checked > 0 and <= context).
+    pub max_tokens: Option<usize>,
+    /// Stream the answer.
+    pub stream: bool,
+    /// Send a usage chunk at the end of the stream.
+    pub include_usage: bool,
+}
+
+/// Checks the fields both endpoints share.
+///
+/// # Errors
+/// 400 naming the field: `n` other than 1, `max_tokens` <= 0 or larger than the context,
+/// sampling values out of range, too many or empty stop strings, `num_draft_tokens` of 0 or
+/// absurd; 404 for a model other than the served one.
+pub fn check_common(state: &AppState, p: &CommonParams) -> Result<Checked, ApiError> {
+    if let Some(model) = &p.model {
+        if *model != state.model_name {
+            return Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: format!(
+                    "the model `{model}` does not exist; this server serves `{}`",
+                    state.model_name
+                ),
+                param: Some("model".into()),
+                code: "model_not_found",
+            });
+        }
+    }
+    if let Some(n) = p.n {
+        if n != 1 {
+            return Err(ApiError::invalid("n", format!("n = {n} is not supported: only n = 1")));
+        }
+    }
+    let context = state.engine.model().context_len();
+    let (max_param, max_tokens) = match (p.max_completion_tokens, p.max_tokens) {
+        (Some(m), _) => ("max_completion_tokens", Some(m)),
+        (None, m) => ("max_tokens", m),
+    };
+    let max_tokens = match max_tokens {
+        None => None,
+        Some(m) if m <= 0 => {
+            return Err(ApiError::invalid(max_param, format!("{max_param} must be at least 1, got {m}")))
+        }
+        Some(m) if m as u64 > context as u64 => {
+            return Err(ApiError::invalid(
+                max_param,
+                format!("{max_param} = {m} exceeds the model's context of {context} tokens"),
+            ))
+        }
+        Some(m) => Some(m as usize),
+    };
+    let top_k = match p.top_k {
+        None | Some(0) | Some(-1) => None, // vLLM spells "off" as -1
+        Some(k) if k < 0 => return Err(ApiError::invalid("top_k", format!("top_k must be >= 0, got {k}"))),
+        Some(k) => Some(k as usize),
+    };
+    let sampling = SamplingParams {
+        temperature: p.temperature.unwrap_or(1.0),
+        top_k,
+        top_p: p.top_p.unwrap_or(1.0),
+        min_p: p.min_p.unwrap_or(0.0),
+        repetition_penalty: p.repetition_penalty.unwrap_or(1.0),
+        seed: p.seed,
+    };
+    if let Err(e) = sampling.validate() {
+        let param = sampling_param(&e.to_string());
+        return Err(ApiError::invalid(param, e.to_string()));
+    }
+    let stop = p.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
+    if stop.len() > MAX_STOPS {
+        return Err(ApiError::invalid("stop", format!("at most {MAX_STOPS} stop strings, got {}", stop.len())));
+    }
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("stop", "stop strings must not be empty"));
+    }
+    let speculation = speculation(state, p)?;
+    Ok(Checked {
+        default_max_tokens: None,
+        sampling,
+        stop,
+        speculation,
+        max_tokens,
+        stream: p.stream,
+        include_usage: p.stream_options.as_ref().is_some_and(|o| o.include_usage),
+    })
+}
+
+/// The speculation of one request: the server's, unless `speculative` overrides it.
+fn speculation(state: &AppState, p: &CommonParams) -> Result<Speculation, ApiError> {
+    let Some(spec) = &p.speculative else {
+        return Ok(state.speculation);
+    };
+    if spec.enabled == Some(false) {
+        return Ok(Speculation::Off);
+    }
+    let k = match (spec.num_draft_tokens, state.speculation) {
+        (Some(k), _) => k,
+        (None, Speculation::On { num_draft_tokens }) => num_draft_tokens,
+        (None, Speculation::Off) => state.default_num_draft_tokens,
+    };
+    if k == 0 || k > super::MAX_DRAFT_TOKENS {
+        return Err(ApiError::invalid(
+            "speculative.num_draft_tokens",
+            format!("num_draft_tokens must be in 1..={}, got {k}", super::MAX_DRAFT_TOKENS),
+        ));
+    }
+    Ok(Speculation::On { num_draft_tokens: k })
+}
+
+/// The field a sampling validation message is about.
+fn sampling_param(message: &str) -> &'static str {
+    ["temperature", "top_p", "min_p", "repetition_penalty"]
+        .into_iter()
+        .find(|p| message.contains(p))
+        .unwrap_or("temperature")
+}
+
+/// Checks a `top_logprobs`-style count.
+///
+/// # Errors
+/// 400 when it is outside `0..=20`.
+pub fn check_top_logprobs(param: &str, n: i64) -> Result<usize, ApiError> {
+    if !(0..=MAX_TOP_LOGPROBS).contains(&n) {
+        return Err(ApiError::invalid(
+            param,
+            format!("{param} must be in 0..={MAX_TOP_LOGPROBS}, got {n}"),
+        ));
+    }
+    Ok(n as usize)
+}
+
+impl Checked {
+    /// The engine request for `prompt_ids`.
+    ///
+    /// # Errors
+    /// 400 when the prompt is empty, or the prompt plus `max_tokens` does not fit the context.
+    pub fn into_request(
+        self,
+        state: &AppState,
+        prompt_ids: Vec<u32>,
+        logprobs: Option<usize>,
+        prompt_param: &str,
+    ) -> Result<(GenerationRequest, StreamPlan), ApiError> {
+        let context = state.engine.model().context_len();
+        let n_prompt = prompt_ids.len();
+        if n_prompt == 0 {
+            return Err(ApiError::invalid(prompt_param, "the prompt is empty"));
+        }
+        if n_prompt >= context {
+            return Err(ApiError {
+                status: StatusCode::BAD_REQUEST,
+                message: format!(
+                    "the prompt is {n_prompt} tokens long; the model's context is {context} tokens"
+                ),
+                param: Some(prompt_param.into()),
+                code: "context_length_exceeded",
+            });
+        }
+        let room = context - n_prompt;
+        let max_tokens = match self.max_tokens {
+            Some(m) if m > room => {
+                return Err(ApiError {
+                    status: StatusCode::BAD_REQUEST,
+                    message: format!(
+                        "this model's context is {context} tokens, but {} were requested \
+                         ({n_prompt} in the prompt, {m} to generate)",
+                        n_prompt + m
+                    ),
+                    param: Some("max_tokens".into()),
+                    code: "context_length_exceeded",
+                })
+            }
+            Some(m) => m,
+            None => self.default_max_tokens.map_or(room, |d| d.min(room)),
+        };
+        let req = GenerationRequest {
+            session: 0, // the engine assigns one
+            prompt_ids,
+            max_tokens,
+            sampling: self.sampling,
+            stop: self.stop,
+            speculation: self.speculation,
+            logprobs,
+        };
+        let plan = StreamPlan {
+            stream: self.stream,
+            include_usage: self.include_usage,
+        };
+        Ok((req, plan))
+    }
+}
+
+/// How to deliver the answer.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamPlan {
+    /// Server-sent events instead of one JSON body.
+    pub stream: bool,
+    /// A usage chunk before `[DONE]`.
+    pub include_usage: bool,
+}

@@ -1,0 +1,186 @@
+//! Delivering an engine request to the client, either as one JSON body ([`collect`]) or as
+//! server-sent events ([`sse`]), shared by both generation endpoints.
+//!
+//! # Cancel safety
+//! Both hold the engine's receiver; when the client goes away axum drops the response future
+//! or the SSE stream, the receiver with it, and the engine cancels the request at its next
+//! token. A [`Tracker`] dropped before its request finished counts the cancellation.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::http::StatusCode;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use futures_util::stream::{self, Stream, StreamExt};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use super::error::ApiError;
+use super::metrics::Metrics;
+use super::openai_types::Usage;
+use crate::engine::Event;
+use crate::generation::{FinishReason, Generation, TokenLogprob};
+
+/// One generated token as the endpoints format it.
+#[derive(Debug, Clone)]
+pub struct TokenOut {
+    /// Token id.
+    pub id: u32,
+    /// The text delta this token released (may be empty).
+    pub text: String,
+    /// Log-probabilities, when asked for.
+    pub logprob: Option<TokenLogprob>,
+}
+
+/// Counts a request's outcome in the metrics exactly once, even when it is dropped midway.
+pub struct Tracker {
+    metrics: Arc<Metrics>,
+    endpoint: &'static str,
+    started: Instant,
+    first_token_seen: bool,
+    finished: bool,
+}
+
+impl Tracker {
+    /// Starts timing a request to `endpoint`.
+    pub fn new(metrics: Arc<Metrics>, endpoint: &'static str) -> Self {
+        Tracker {
+            metrics,
+            endpoint,
+            started: Instant::now(),
+            first_token_seen: false,
+            finished: false,
+        }
+    }
+
+    fn token(&mut self) {
+        if !self.first_token_seen {
+            self.first_token_seen = true;
+            self.metrics.first_token(self.started);
+        }
+    }
+
+    fn finish(&mut self, result: &Result<Generation, String>) {
+        self.finished = true;
+        match result {
+            Ok(g) => {
+                self.metrics.request(self.endpoint, 200);
+                self.metrics.generation(g.stats.prompt_tokens, g.stats.generated_tokens, self.started);
+            }
+            Err(_) => self.metrics.request(self.endpoint, 500),
+        }
+    }
+}
+
+impl Drop for Tracker {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.metrics.cancelled();
+            // 499: nginx's "client closed request"; no response was completed.
+            self.metrics.request(self.endpoint, 499);
+        }
+    }
+}
+
+/// OpenAI's `finish_reason` string.
+pub fn finish_reason(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        // Only seen by a consumer that is gone; never sent in practice.
+        FinishReason::Cancelled => "cancelled",
+    }
+}
+
+/// Waits for the whole generation.
+///
+/// # Errors
+/// 500 when generation fails in the engine.
+pub async fn collect(
+    mut rx: UnboundedReceiver<Event>,
+    mut tracker: Tracker,
+) -> Result<(Generation, Vec<TokenOut>), ApiError> {
+    let mut tokens = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Token { id, text, logprob } => {
+                tracker.token();
+                tokens.push(TokenOut { id, text, logprob });
+            }
+            Event::Done(result) => {
+                tracker.finish(&result);
+                return result.map(|g| (g, tokens)).map_err(engine_error);
+            }
+        }
+    }
+    let lost = Err("the engine stopped before the request finished".to_string());
+    tracker.finish(&lost);
+    Err(engine_error(lost.unwrap_err()))
+}
+
+fn engine_error(message: String) -> ApiError {
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "generation_failed", message)
+}
+
+/// Turns engine events into the JSON payloads of one endpoint's stream chunks.
+pub trait Chunks: Send + 'static {
+    /// Payloads sent before any token (chat: the `role` delta).
+    fn start(&mut self) -> Vec<serde_json::Value>;
+    /// The payload for one token, or `None` when it carries nothing to show.
+    fn token(&mut self, token: TokenOut) -> Option<serde_json::Value>;
+    /// The last content chunk (with `finish_reason`).
+    fn finish(&mut self, generation: &Generation) -> serde_json::Value;
+    /// The usage chunk (empty `choices`).
+    fn usage(&mut self, usage: Usage) -> serde_json::Value;
+}
+
+fn data(v: &serde_json::Value) -> SseEvent {
+    SseEvent::default().data(v.to_string())
+}
+
+/// Streams the request as server-sent events: `data: {chunk}` lines and a final
+/// `data: [DONE]`. An engine failure is sent as an OpenAI error body before `[DONE]`.
+pub fn sse<C: Chunks>(
+    rx: UnboundedReceiver<Event>,
+    mut chunks: C,
+    include_usage: bool,
+    tracker: Tracker,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let head: Vec<SseEvent> = chunks.start().iter().map(data).collect();
+    let body = stream::unfold(Some((rx, chunks, tracker)), move |state| async move {
+        let (mut rx, mut chunks, mut tracker) = state?;
+        let ev = rx.recv().await;
+        let out: Vec<SseEvent> = match ev {
+            Some(Event::Token { id, text, logprob }) => {
+                tracker.token();
+                let payload = chunks.token(TokenOut { id, text, logprob });
+                return Some((payload.iter().map(data).collect(), Some((rx, chunks, tracker))));
+            }
+            Some(Event::Done(result)) => {
+                tracker.finish(&result);
+                match result {
+                    Ok(g) => {
+                        let mut out = vec![data(&chunks.finish(&g))];
+                        if include_usage {
+                            out.push(data(&chunks.usage(Usage::from_stats(&g.stats))));
+                        }
+                        out
+                    }
+                    Err(e) => vec![data(&engine_error(e).to_json())],
+                }
+            }
+            None => {
+                let lost = Err("the engine stopped before the request finished".to_string());
+                tracker.finish(&lost);
+                vec![data(&engine_error(lost.unwrap_err()).to_json())]
+            }
+        };
+        let mut out = out;
+        out.push(SseEvent::default().data("[DONE]"));
+        Some((out, None))
+    });
+    let events = stream::iter(head)
+        .chain(body.flat_map(stream::iter))
+        .map(Ok::<_, Infallible>);
+    Sse::new(events).keep_alive(KeepAlive::default())
+}

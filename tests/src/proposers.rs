@@ -1,0 +1,112 @@
+//! In-process proposers for tests: drafters whose behaviour a test controls exactly.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use specula_models::sampling::SamplingParams;
+use target_host::proposer::{Draft, Proposer, SessionId, TapRows, Verdict, Wants};
+
+/// Proposes random tokens. With `sampled`, drafts are drawn from a fixed, deliberately wrong
+/// distribution `q` (mass piled on a few ids) and `q` is sent; otherwise one fixed id is
+/// proposed deterministically.
+pub struct BadProposer {
+    vocab: usize,
+    rng: StdRng,
+    q: Option<Vec<f32>>,
+}
+
+impl BadProposer {
+    /// A bad proposer over `vocab` ids.
+    pub fn new(vocab: usize, sampled: bool, seed: u64) -> Self {
+        let q = sampled.then(|| {
+            let mut q: Vec<f32> = (0..vocab).map(|i| if i % 7 == 3 { 8.0 } else { 0.2 }).collect();
+            let s: f32 = q.iter().sum();
+            q.iter_mut().for_each(|x| *x /= s);
+            q
+        });
+        BadProposer {
+            vocab,
+            rng: StdRng::seed_from_u64(seed),
+            q,
+        }
+    }
+
+    /// The `q` row the proposer samples from, when it samples.
+    pub fn q(&self) -> Option<&[f32]> {
+        self.q.as_deref()
+    }
+
+    fn one(&mut self) -> u32 {
+        match &self.q {
+            None => (self.vocab / 2) as u32,
+            Some(q) => {
+                let mut r: f32 = self.rng.random();
+                for (i, &p) in q.iter().enumerate() {
+                    r -= p;
+                    if r < 0.0 {
+                        return i as u32;
+                    }
+                }
+                (self.vocab - 1) as u32
+            }
+        }
+    }
+}
+
+impl Proposer for BadProposer {
+    fn name(&self) -> &str {
+        "bad"
+    }
+    fn wants(&self) -> Wants {
+        Wants::default()
+    }
+    fn open(&mut self, _: SessionId, _: &[u32], _: &SamplingParams, _: Option<&TapRows>) {}
+    fn draft(&mut self, _: SessionId, _: &[u32], n: usize) -> Draft {
+        let tokens: Vec<u32> = (0..n).map(|_| self.one()).collect();
+        let q = self.q.clone().map(|q| vec![q; tokens.len()]);
+        Draft { tokens, q }
+    }
+    fn verdict(&mut self, _: SessionId, _: &Verdict<'_>) {}
+    fn close(&mut self, _: SessionId) {}
+}
+
+/// Proposes exactly the given continuation of the prompt (an oracle): accepted in full when it
+/// is the target's own greedy output.
+pub struct ScriptProposer {
+    script: Vec<u32>,
+    prompt_len: usize,
+    context: Vec<u32>,
+}
+
+impl ScriptProposer {
+    /// Proposes `script` as the continuation.
+    pub fn new(script: Vec<u32>) -> Self {
+        ScriptProposer {
+            script,
+            prompt_len: 0,
+            context: Vec::new(),
+        }
+    }
+}
+
+impl Proposer for ScriptProposer {
+    fn name(&self) -> &str {
+        "script"
+    }
+    fn wants(&self) -> Wants {
+        Wants::default()
+    }
+    fn open(&mut self, _: SessionId, prompt: &[u32], _: &SamplingParams, _: Option<&TapRows>) {
+        self.prompt_len = prompt.len();
+        self.context = prompt.to_vec();
+    }
+    fn draft(&mut self, _: SessionId, new_tokens: &[u32], n: usize) -> Draft {
+        self.context.extend_from_slice(new_tokens);
+        let done = self.context.len() - self.prompt_len;
+        let tokens = self.script.iter().skip(done).take(n).copied().collect();
+        Draft { tokens, q: None }
+    }
+    fn verdict(&mut self, _: SessionId, v: &Verdict<'_>) {
+        self.context.extend_from_slice(v.committed);
+    }
+    fn close(&mut self, _: SessionId) {}
+}
