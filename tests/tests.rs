@@ -5,4 +5,6 @@
 mod drafters;
 mod generate;
 mod golden;
+mod spec;
+mod server;
 mod tokenizer;

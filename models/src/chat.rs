@@ -97,6 +97,15 @@ impl ChatTemplate {
         }
     }
 
+    /// The template in the metadata of the GGUF file at `path`, if any.
+    ///
+    /// # Errors
+    /// [`Error::Io`] or [`Error::InvalidModel`] when the file cannot be read as GGUF, else as
+    /// [`ChatTemplate::from_gguf`].
+    pub fn from_gguf_file(path: &Path, tok: &Tokenizer) -> Result<Option<ChatTemplate>> {
+        ChatTemplate::from_gguf(&crate::tokenizer::read_gguf_metadata(path)?, tok)
+    }
+
     /// The template of a Hugging Face model folder: `chat_template.jinja` when present (as
     /// transformers prefers it), else `chat_template` in `tokenizer_config.json` (a string, or
     /// a list of named templates of which the one named `default` is used).
@@ -333,7 +342,8 @@ mod tests {
         );
         assert_eq!(
             t.render(&user("  hi  "), GenerationPrompt::Omit).unwrap(),
-            "HI|true|<|im_start|><|im_end|>|true|false"
+            // Booleans print the Python way, as jinja2 prints them.
+            "HI|True|<|im_start|><|im_end|>|True|False"
         );
     }
 

@@ -176,3 +176,39 @@ fn load_hf_model(dir: &Path, opts: &LoadOptions) -> Result<Model> {
     let net = Llama::load(&config, &spec, &mut weights, RopeStyle::HalfSplit)?;
     Model::from_parts(net, config, dir, opts.prefill_chunk, &opts.device)
 }
+
+/// A model with everything needed to talk to it in text.
+#[derive(Clone)]
+pub struct LoadedModel {
+    /// The network.
+    pub model: Model,
+    /// Its tokenizer (from GGUF metadata or `tokenizer.json`).
+    pub tokenizer: crate::tokenizer::Tokenizer,
+    /// Its chat template, when the model ships one.
+    pub chat_template: Option<crate::chat::ChatTemplate>,
+}
+
+/// Loads a model with its tokenizer and chat template, from a `.gguf` file or an HF directory.
+///
+/// # Errors
+/// As [`load_model`], plus [`Error::Tokenizer`] / [`Error::ChatTemplate`] for a tokenizer or
+/// template that cannot be rebuilt.
+pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
+    let (model, tokenizer, chat_template) = if is_gguf(path) {
+        let (content, file) = read_gguf(path)?;
+        // The header is parsed once: tokenizer and template come from the same metadata.
+        let tokenizer = crate::tokenizer::Tokenizer::from_gguf(&content)?;
+        let chat_template = crate::chat::ChatTemplate::from_gguf(&content, &tokenizer)?;
+        (load_gguf_model(path, content, file, opts)?, tokenizer, chat_template)
+    } else {
+        let model = load_hf_model(path, opts)?;
+        let tokenizer = crate::tokenizer::Tokenizer::from_hf_dir(path)?;
+        let chat_template = crate::chat::ChatTemplate::from_hf_dir(path, &tokenizer)?;
+        (model, tokenizer, chat_template)
+    };
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        chat_template,
+    })
+}

@@ -15,6 +15,7 @@ mod gguf;
 mod hf;
 mod stream;
 
+use std::path::Path;
 use std::sync::OnceLock;
 
 use sha2::{Digest, Sha256};
@@ -91,13 +92,22 @@ impl Tokenizer {
         Tokenizer::assemble(inner, vocab_size, ids)
     }
 
+    /// Reads the metadata of the GGUF file at `path` (not its tensors) and builds its tokenizer.
+    ///
+    /// # Errors
+    /// [`Error::Io`] or [`Error::InvalidModel`] when the file cannot be read as GGUF, else as
+    /// [`Tokenizer::from_gguf`].
+    pub fn from_gguf_file(path: &Path) -> Result<Tokenizer> {
+        Tokenizer::from_gguf(&read_gguf_metadata(path)?)
+    }
+
     /// Reads `tokenizer.json` from a Hugging Face model folder, with the BOS/EOS tokens of
     /// `tokenizer_config.json` and `generation_config.json` when they are present.
     ///
     /// # Errors
     /// [`Error::Io`] when `tokenizer.json` cannot be read, [`Error::Tokenizer`] when a file is
     /// not valid or names a special token that is not in the vocabulary.
-    pub fn from_hf_dir(dir: &std::path::Path) -> Result<Tokenizer> {
+    pub fn from_hf_dir(dir: &Path) -> Result<Tokenizer> {
         let (inner, vocab_size, ids) = hf::build(dir)?;
         Tokenizer::assemble(inner, vocab_size, ids)
     }
@@ -254,6 +264,43 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
+/// Reads a GGUF file's header and metadata; tensor data is left on disk.
+pub(crate) fn read_gguf_metadata(
+    path: &Path,
+) -> Result<candle_core::quantized::gguf_file::Content> {
+    use std::io::Read;
+    let io = |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut file = std::fs::File::open(path).map_err(io)?;
+    let file_len = file.metadata().map_err(io)?.len();
+    // candle parses value by value and asks the reader for its position before each string;
+    // on a File that is two syscalls per string, seconds for Qwen's 300k vocabulary strings and
+    // merges. So parse an in-memory prefix, doubling it until the metadata fits.
+    let mut prefix = Vec::new();
+    let mut want = 8 << 20;
+    loop {
+        let have = prefix.len() as u64;
+        (&mut file)
+            .take(want - have)
+            .read_to_end(&mut prefix)
+            .map_err(io)?;
+        let parsed =
+            candle_core::quantized::gguf_file::Content::read(&mut std::io::Cursor::new(&prefix));
+        match parsed {
+            Ok(content) => return Ok(content),
+            Err(_) if (prefix.len() as u64) < file_len => want *= 2,
+            Err(e) => {
+                return Err(Error::InvalidModel {
+                    path: path.to_path_buf(),
+                    reason: e.to_string(),
+                })
+            }
+        }
+    }
+}
+
 fn fingerprint(
     inner: &tokenizers::Tokenizer,
     vocab_size: usize,
@@ -286,6 +333,7 @@ fn fingerprint(
 pub(crate) mod tests {
     use super::*;
     use std::path::PathBuf;
+    use std::sync::Mutex;
 
     /// Path of a real GGUF model, fetched by `scripts/fetch-model` when absent. Panics rather
     /// than skipping: a test without its model must not pass as green.
@@ -300,13 +348,20 @@ pub(crate) mod tests {
     }
 
     pub(crate) fn gguf_content(name: &str) -> candle_core::quantized::gguf_file::Content {
-        let path = real_model(name);
-        let mut file = std::fs::File::open(&path).expect("open model");
-        candle_core::quantized::gguf_file::Content::read(&mut file).expect("read GGUF")
+        read_gguf_metadata(&real_model(name)).expect("read GGUF metadata")
     }
 
-    pub(crate) fn load(name: &str) -> Tokenizer {
-        Tokenizer::from_gguf(&gguf_content(name)).expect("tokenizer from GGUF")
+    /// The tokenizer of a real model, built once per test binary (Qwen's takes a while).
+    pub(crate) fn load(name: &str) -> &'static Tokenizer {
+        static CACHE: Mutex<Vec<(String, &'static Tokenizer)>> = Mutex::new(Vec::new());
+        let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, tok)) = cache.iter().find(|(n, _)| n == name) {
+            return tok;
+        }
+        let tok = Tokenizer::from_gguf(&gguf_content(name)).expect("tokenizer from GGUF");
+        let tok: &'static Tokenizer = Box::leak(Box::new(tok));
+        cache.push((name.to_string(), tok));
+        tok
     }
 
     const TRICKY: &[&str] = &[
@@ -386,6 +441,15 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn from_gguf_file_errors_name_the_file() {
+        let missing = Path::new("/nonexistent/model.gguf");
+        assert!(matches!(Tokenizer::from_gguf_file(missing), Err(Error::Io { .. })));
+        let not_gguf = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+        let err = Tokenizer::from_gguf_file(&not_gguf).unwrap_err();
+        assert!(matches!(&err, Error::InvalidModel { path, .. } if path == &not_gguf), "{err}");
+    }
+
+    #[test]
     fn decode_rejects_out_of_range_ids() {
         let tok = load("smollm2-135m");
         let err = tok.decode(&[1, 49152]).unwrap_err();
@@ -393,5 +457,64 @@ pub(crate) mod tests {
             matches!(&err, Error::Tokenizer(m) if m.contains("49152")),
             "{err}"
         );
+    }
+}
+#[cfg(test)]
+mod tmp_fixture_check {
+    use super::tests::load;
+    use super::*;
+    #[test]
+    fn tmp_fixtures() {
+        for model in ["smollm2-135m", "qwen2.5-coder-0.5b"] {
+            let path = tests::real_model(model);
+            let t0 = std::time::Instant::now();
+            let content = read_gguf_metadata(&path).unwrap();
+            eprintln!("{model}: read meta {:?}", t0.elapsed());
+            let t0 = std::time::Instant::now();
+            let mut f = std::fs::File::open(&path).unwrap();
+            let _ = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+            eprintln!("{model}: read meta plain file {:?}", t0.elapsed());
+            let t0 = std::time::Instant::now();
+            let mut f = std::io::BufReader::new(std::fs::File::open(&path).unwrap());
+            let _ = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+            eprintln!("{model}: read meta bufreader {:?}", t0.elapsed());
+            let t0 = std::time::Instant::now();
+            let tok = Tokenizer::from_gguf(&content).unwrap();
+            eprintln!("{model}: build {:?}", t0.elapsed());
+            let t0 = std::time::Instant::now();
+            let _ = tok.encode("warm", Special::Parse).unwrap();
+            eprintln!("{model}: first encode {:?}", t0.elapsed());
+            let text = std::fs::read_to_string(format!("{}/../tests/fixtures/tokenizer/{model}.json", env!("CARGO_MANIFEST_DIR"))).unwrap();
+            let rows: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
+            let mut n = 0;
+            for row in rows {
+                let text = row["text"].as_str().unwrap();
+                let expected: Vec<u32> = serde_json::from_value(row["ids"].clone()).unwrap();
+                assert_eq!(tok.encode(text, Special::Parse).unwrap(), expected, "{model}: {text:?}");
+                n += 1;
+            }
+            let chat = crate::chat::ChatTemplate::from_gguf_file(&path, &tok).unwrap().unwrap();
+            let text = std::fs::read_to_string(format!("{}/../tests/fixtures/tokenizer/{model}.chat.json", env!("CARGO_MANIFEST_DIR"))).unwrap();
+            let rows: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
+            for row in rows {
+                let msgs: Vec<crate::chat::ChatMessage> = serde_json::from_value(row["messages"].clone()).unwrap();
+                let g = if row["add_generation_prompt"].as_bool().unwrap() { crate::chat::GenerationPrompt::Add } else { crate::chat::GenerationPrompt::Omit };
+                assert_eq!(chat.render(&msgs, g).unwrap(), row["rendered"].as_str().unwrap());
+            }
+            // throughput
+            let big: String = std::iter::repeat("fn main() { let x = 12345; println!(\"héllo 🙂 {x}\"); }\n").take(2000).collect();
+            let t0 = std::time::Instant::now();
+            let ids = tok.encode(&big, Special::Parse).unwrap();
+            let dt = t0.elapsed();
+            eprintln!("{model}: {n} fixtures ok; encode {} bytes -> {} ids in {:?} ({:.1} MB/s)", big.len(), ids.len(), dt, big.len() as f64 / dt.as_secs_f64() / 1e6);
+            let t0 = std::time::Instant::now();
+            let mut dec = tok.stream_decoder();
+            let mut out = String::new();
+            for &id in &ids { out.extend(dec.step(id).unwrap()); }
+            out.extend(dec.flush().unwrap());
+            let dt = t0.elapsed();
+            assert_eq!(out.len(), big.len());
+            eprintln!("{model}: stream decode {} ids in {:?} ({:.2} us/id)", ids.len(), dt, dt.as_secs_f64() * 1e6 / ids.len() as f64);
+        }
     }
 }

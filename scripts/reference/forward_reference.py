@@ -20,9 +20,13 @@ import subprocess
 import sys
 import time
 
-import jinja2
-import numpy as np
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+# One BLAS thread: the matrices of a single decode step are small, and OpenBLAS threads that spin while
+# cargo builds share the 2 cores made each token 5-10x slower. Set OPENBLAS_NUM_THREADS to override.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import jinja2  # noqa: E402
+import numpy as np  # noqa: E402
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gguf_llama import GgufFile, Model  # noqa: E402

@@ -139,7 +139,8 @@ class Model:
         xs = self.tok_embd[np.asarray(ids)]
         seq_len = len(ids)
         group = cfg.n_head // cfg.n_kv_head
-        scale = 1.0 / np.sqrt(cfg.head_dim)
+        # A Python float, not np.float64: numpy 2 would promote every f32 activation to f64.
+        scale = 1.0 / float(np.sqrt(cfg.head_dim))
         for i, l in enumerate(self.layers):
             h = rms_norm(xs, l.attn_norm, cfg.eps)
             q = linear(h, l.q, l.q_b).reshape(seq_len, cfg.n_head, cfg.head_dim)
@@ -169,6 +170,7 @@ class Model:
             # SwiGLU: down(silu(gate(h)) * up(h)); sigmoid via tanh so large |gate| cannot overflow exp.
             act = gate * (0.5 * (1.0 + np.tanh(0.5 * gate))) * linear(h, l.up, None)
             xs = xs + linear(act, l.down, None)
+            assert xs.dtype == self.dtype, f"layer {i} promoted activations to {xs.dtype}"
         self.pos += seq_len
         last = rms_norm(xs[-1:], self.out_norm, cfg.eps)
         return (last @ self.lm_head.T)[0]

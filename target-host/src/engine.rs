@@ -12,13 +12,12 @@ use std::sync::{mpsc, Arc};
 use std::thread;
 
 use specula_models::chat::ChatTemplate;
-use specula_models::loader::{LoadedModel, Model};
+use specula_models::loader::LoadedModel;
 use specula_models::tokenizer::Tokenizer;
+use specula_models::Model;
 use tokio::sync::mpsc as tokio_mpsc;
 
-use crate::generation::{
-    generate, Flow, Generation, GenerationRequest, Target, TokenLogprob,
-};
+use crate::generation::{generate, Flow, Generation, GenerationRequest, Target, TokenLogprob};
 use crate::proposer::{Proposer, ProposerSlot, SessionId};
 
 /// What a submitted request streams back.
@@ -63,8 +62,12 @@ impl Engine {
         let queued = Arc::new(AtomicUsize::new(0));
         let (jobs, rx) = mpsc::channel::<Job>();
         {
-            let (model, tokenizer, slot, queued) =
-                (model.clone(), tokenizer.clone(), slot.clone(), queued.clone());
+            let (model, tokenizer, slot, queued) = (
+                model.clone(),
+                tokenizer.clone(),
+                slot.clone(),
+                queued.clone(),
+            );
             thread::Builder::new()
                 .name("engine".into())
                 .spawn(move || worker(&model, &tokenizer, &slot, &queued, rx))

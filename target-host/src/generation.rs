@@ -12,10 +12,10 @@ use std::time::Instant;
 
 use candle_core::{IndexOp, Tensor};
 use serde::Serialize;
-use specula_models::kv_cache::KvCache;
-use specula_models::loader::{ForwardOutput, ForwardRequest, Model, TapId};
 use specula_models::sampling::{log_softmax, Sampler, SamplingParams};
-use specula_models::tokenizer::Tokenizer;
+use specula_models::tokenizer::{StreamDecoder, Tokenizer};
+use specula_models::KvCache;
+use specula_models::{ForwardOutput, ForwardRequest, Model, TapId};
 
 use crate::proposer::{Draft, ProposerSlot, SessionId, TapRows, Verdict, Wants};
 use crate::text::{StopMatcher, StopScan};
@@ -125,7 +125,9 @@ pub struct GenerationStats {
 /// The result of a generation.
 #[derive(Debug, Clone)]
 pub struct Generation {
-    /// The generated text (stop strings and EOS excluded).
+    /// The whole generated text (stop strings and EOS excluded). Token events may have held
+    /// back its tail (a possible stop-string prefix, an incomplete character): a streaming
+    /// consumer that has shown `shown` bytes shows `text[shown..]` at the end.
     pub text: String,
     /// The generated ids (EOS excluded).
     pub token_ids: Vec<u32>,
@@ -167,7 +169,7 @@ pub fn generate(
 
     let started = Instant::now();
     let mut run = Run::new(target, req);
-    cache.truncate(0);
+    cache.truncate(0)?;
     let mut drafter = DrafterSession::new(req.session, req.sampling.clone());
     let wants = match req.speculation {
         Speculation::On { .. } => drafter.wants(slot),
@@ -232,7 +234,7 @@ pub fn generate(
             &mut run.context,
         );
         // Keep pending + accepted drafts in the cache; the correction/bonus becomes pending.
-        cache.truncate(base + 1 + acceptance.accepted);
+        cache.truncate(base + 1 + acceptance.accepted)?;
         let mut committed = draft.tokens[..acceptance.accepted].to_vec();
         committed.push(acceptance.next);
         if !draft.tokens.is_empty() {
@@ -242,7 +244,13 @@ pub fn generate(
             let taps = if wants.is_empty() {
                 None
             } else {
-                Some(collect_taps(&out, cache, &wants, base, acceptance.accepted + 1)?)
+                Some(collect_taps(
+                    &out,
+                    cache,
+                    &wants,
+                    base,
+                    acceptance.accepted + 1,
+                )?)
             };
             drafter.verdict(
                 slot,
@@ -264,6 +272,12 @@ pub fn generate(
         pending = acceptance.next;
     }
     drafter.close(slot);
+    if !run.stopped_by_string {
+        // Text held back for an incomplete character or a stop string that never came.
+        if let Some(piece) = run.decoder.flush()? {
+            run.text.push_str(&piece);
+        }
+    }
 
     let finish_reason = run.finish.unwrap_or(FinishReason::Length);
     let mut stats = run.stats;
@@ -274,7 +288,7 @@ pub fn generate(
     stats.mean_accepted_per_round = ratio(stats.accepted, stats.rounds);
     stats.acceptance_rate = ratio(stats.accepted, stats.drafted);
     Ok(Generation {
-        text: run.text[..run.emitted].to_string(),
+        text: run.text,
         token_ids: run.ids,
         finish_reason,
         stats,
@@ -289,9 +303,11 @@ struct Run<'a> {
     /// Prompt + committed ids: the history for penalties and for the drafter.
     context: Vec<u32>,
     ids: Vec<u32>,
+    decoder: StreamDecoder<'a>,
     text: String,
     emitted: usize,
     stops: StopMatcher,
+    stopped_by_string: bool,
     finish: Option<FinishReason>,
     stats: GenerationStats,
 }
@@ -305,9 +321,11 @@ impl<'a> Run<'a> {
             sampler: Sampler::new(req.sampling.clone()),
             context: req.prompt_ids.clone(),
             ids: Vec::new(),
+            decoder: target.tokenizer.stream_decoder(),
             text: String::new(),
             emitted: 0,
             stops: StopMatcher::new(&req.stop),
+            stopped_by_string: false,
             finish,
             stats: GenerationStats::default(),
         }
@@ -328,32 +346,22 @@ impl<'a> Run<'a> {
         }
         self.ids.push(id);
         let checked = self.text.len();
-        // Byte-level BPE decodes prefix-stably; an incomplete character shows as U+FFFD at the
-        // end and is held back until the next token completes it.
-        self.text = self.target.tokenizer.decode(&self.ids)?;
-        let safe_end = if self.text.ends_with('\u{FFFD}') {
-            self.text.trim_end_matches('\u{FFFD}').len()
-        } else {
-            self.text.len()
-        };
-        let upto = match self.stops.scan(&self.text[..safe_end], checked.min(safe_end)) {
+        if let Some(piece) = self.decoder.step(id)? {
+            self.text.push_str(&piece);
+        }
+        let upto = match self.stops.scan(&self.text, checked) {
             StopScan::Stopped(at) => {
                 self.finish = Some(FinishReason::Stop);
+                self.stopped_by_string = true;
                 self.text.truncate(at);
                 at
             }
             StopScan::SafeUpTo(end) => end,
-        };
+        }
+        .max(self.emitted);
         if self.finish.is_none() && self.ids.len() >= self.req.max_tokens {
             self.finish = Some(FinishReason::Length);
         }
-        // At the end, flush whatever was held back for a stop string that never came.
-        let upto = if self.finish == Some(FinishReason::Length) {
-            self.text.len()
-        } else {
-            upto
-        }
-        .max(self.emitted);
         let logprob = self.req.logprobs.map(|n| token_logprob(logits, id, n));
         let flow = sink(TokenEvent {
             id,

@@ -10,6 +10,7 @@
 //! | [`engine`] | the worker thread and request queue behind the server |
 //! | [`drafter`] | drafter processes: spawn, handshake, supervision |
 //! | [`drafter_args`] | the `--drafter` command-line options |
+//! | [`inprocess`] | an SDK drafter run inside the host (benchmarks, tests) |
 //! | [`http`] | the OpenAI-compatible server and the admin API |
 
 pub mod drafter;
@@ -17,6 +18,7 @@ pub mod drafter_args;
 pub mod engine;
 pub mod generation;
 pub mod http;
+pub mod inprocess;
 pub mod models;
 pub mod proposer;
 pub mod text;

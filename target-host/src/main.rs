@@ -4,14 +4,19 @@ use std::io::Write;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use specula_models::chat::ChatMessage;
+use specula_models::chat::{ChatMessage, GenerationPrompt};
 use specula_models::sampling::SamplingParams;
+use specula_models::tokenizer::Special;
 use target_host::generation::{generate, Flow, GenerationRequest, Speculation, Target};
 use target_host::models::{load_model, ModelArgs};
 use target_host::proposer::ProposerSlot;
 
 #[derive(Parser)]
-#[command(name = "target-host", version, about = "Specula: speculative decoding with out-of-process drafters")]
+#[command(
+    name = "target-host",
+    version,
+    about = "Specula: speculative decoding with out-of-process drafters"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -93,7 +98,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Generate(args) => generate_cmd(args),
         Command::Tokenize { model, text } => {
             let loaded = load_model(&model)?;
-            let ids = loaded.tokenizer.encode(&text)?;
+            let ids = loaded.tokenizer.encode(&text, Special::Parse)?;
             println!("{}", serde_json::to_string(&ids)?);
             Ok(())
         }
@@ -111,16 +116,13 @@ fn generate_cmd(args: GenerateArgs) -> Result<()> {
                 .as_ref()
                 .context("--chat: the model has no chat template (use --prompt)")?;
             template.render(
-                &[ChatMessage {
-                    role: "user".into(),
-                    content: c.clone(),
-                }],
-                true,
+                &[ChatMessage::new("user", c.as_str())],
+                GenerationPrompt::Add,
             )?
         }
         (None, None) => unreachable!("clap requires --prompt or --chat"),
     };
-    let prompt_ids = loaded.tokenizer.encode(&text)?;
+    let prompt_ids = loaded.tokenizer.encode(&text, Special::Parse)?;
     let sampling = SamplingParams {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -147,17 +149,26 @@ fn generate_cmd(args: GenerateArgs) -> Result<()> {
     let mut cache = loaded.model.new_cache();
     let stdout = std::io::stdout();
     let json = args.json;
+    let mut shown = 0;
     let mut sink = |ev: target_host::generation::TokenEvent<'_>| {
         if !json {
             let mut out = stdout.lock();
             // A closed stdout (e.g. `| head`) ends generation quietly.
-            if out.write_all(ev.text.as_bytes()).and_then(|_| out.flush()).is_err() {
+            if out
+                .write_all(ev.text.as_bytes())
+                .and_then(|_| out.flush())
+                .is_err()
+            {
                 return Flow::Cancel;
             }
+            shown += ev.text.len();
         }
         Flow::Continue
     };
     let gen = generate(&target, &mut cache, &slot, &req, &mut sink)?;
+    if !json {
+        print!("{}", &gen.text[shown.min(gen.text.len())..]);
+    }
     if json {
         let out = serde_json::json!({
             "text": gen.text,

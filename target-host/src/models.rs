@@ -5,7 +5,8 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use specula_models::loader::{load, LoadOptions, LoadedModel, WeightDType};
+use specula_models::loader::{load, LoadedModel};
+use specula_models::{LoadOptions, WeightDType};
 
 /// The model fetched and served when none is named.
 pub const DEFAULT_MODEL: &str = "smollm2-135m";
@@ -53,7 +54,10 @@ pub fn resolve_model(spec: &str) -> Result<PathBuf> {
     }
     let script = workspace_root().join("scripts/fetch-model");
     if !script.exists() {
-        bail!("model {spec} does not exist, and there is no {} to fetch it", script.display());
+        bail!(
+            "model {spec} does not exist, and there is no {} to fetch it",
+            script.display()
+        );
     }
     let out = Command::new(&script)
         .arg(spec)

@@ -47,7 +47,7 @@ impl Rope {
         let half = head_dim / 2;
         // inv_freq[i] = theta^(-2i/d); angles in f64 so that large positions stay exact.
         let inv_freq: Vec<f64> = (0..half)
-            .map(|i| theta.powf(-(2 * i) as f64 / head_dim as f64))
+            .map(|i| theta.powf(-((2 * i) as f64) / head_dim as f64))
             .collect();
         let mut cos = Vec::with_capacity(max_pos * half);
         let mut sin = Vec::with_capacity(max_pos * half);

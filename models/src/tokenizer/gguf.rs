@@ -117,7 +117,7 @@ pub(super) fn build(content: &Content) -> Result<(tokenizers::Tokenizer, usize, 
     };
     let pre = pre_spec(pre_name)?;
 
-    let vocab: HashMap<String, u32> = tokens
+    let vocab: tokenizers::models::bpe::Vocab = tokens
         .iter()
         .enumerate()
         .map(|(id, t)| (t.to_string(), id as u32))
@@ -150,7 +150,8 @@ pub(super) fn build(content: &Content) -> Result<(tokenizers::Tokenizer, usize, 
         .filter(|(_, &ty)| ty == TYPE_CONTROL || ty == TYPE_USER_DEFINED)
         .map(|(t, &ty)| AddedToken::from(t.to_string(), ty == TYPE_CONTROL).normalized(false))
         .collect();
-    tok.add_tokens(added);
+    tok.add_tokens(added)
+        .map_err(|e| Error::Tokenizer(format!("cannot add control tokens: {e}")))?;
 
     let control = types
         .iter()

@@ -112,7 +112,7 @@ mod tests {
     use crate::Error;
 
     /// A model folder written from a GGUF-built tokenizer, as a Hugging Face export would be.
-    fn export(dir: &std::path::Path, config: &str) -> Tokenizer {
+    fn export(dir: &std::path::Path, config: &str) -> &'static Tokenizer {
         let tok = load("smollm2-135m");
         tok.inner
             .save(dir.join("tokenizer.json"), false)

@@ -1,1 +1,173 @@
-//! Drafter processes: spawn, handshake, supervision (in progress).
+//! Drafter processes as the verify loop sees them: a [`DrafterClient`] is a
+//! [`crate::proposer::Proposer`] whose drafts come from another process.
+//!
+//! - [`process`]: find the executable, spawn it, never leave an orphan.
+//! - [`handshake`]: bootstrap, version negotiation, `Welcome`, shared-memory region, ping.
+//! - [`supervisor`]: the [`DrafterState`] machine, respawn with exponential backoff.
+//! - [`client`]: the `Proposer` implementation: deadlines, reply validation, taps, counters.
+//!
+//! The protocol itself lives in `specula_protocol` (see `protocol/README.md`).
+
+pub mod client;
+pub mod handshake;
+pub mod process;
+pub mod supervisor;
+mod validate;
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub use client::DrafterClient;
+pub use process::DrafterSpec;
+pub use supervisor::DrafterState;
+
+/// Why a drafter could not be started or used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DrafterError {
+    /// No file at the drafter path.
+    #[error("drafter {} not found", path.display())]
+    NotFound {
+        /// Where it was looked for.
+        path: PathBuf,
+    },
+    /// The path is a folder or lacks an execute bit.
+    #[error("drafter {} is not an executable file", path.display())]
+    NotExecutable {
+        /// The path.
+        path: PathBuf,
+    },
+    /// The OS could not start it.
+    #[error("cannot start drafter {}", path.display())]
+    Spawn {
+        /// The path.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// It exited before completing the handshake.
+    #[error("drafter {} exited during the handshake ({status}); its stderr:\n{stderr}", path.display())]
+    ExitedDuringHandshake {
+        /// The path.
+        path: PathBuf,
+        /// Its exit status.
+        status: String,
+        /// The last lines it wrote to stderr.
+        stderr: String,
+    },
+    /// It did not complete the handshake in time.
+    #[error("drafter {} did not complete the handshake within {after:?}", path.display())]
+    HandshakeTimeout {
+        /// The path.
+        path: PathBuf,
+        /// The deadline.
+        after: Duration,
+    },
+    /// No protocol major version in common.
+    #[error("drafter `{drafter}` speaks protocol {theirs}, this host speaks {host}: no common major version")]
+    VersionMismatch {
+        /// The drafter's name.
+        drafter: String,
+        /// Versions the host speaks.
+        host: String,
+        /// Versions the drafter speaks.
+        theirs: String,
+    },
+    /// Its capabilities do not fit the target.
+    #[error("drafter `{drafter}` has unusable capabilities: {reason}")]
+    BadCapabilities {
+        /// The drafter's name.
+        drafter: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// It refused the target (e.g. another tokenizer).
+    #[error("drafter `{drafter}` refused the target: {reason}")]
+    Refused {
+        /// The drafter's name.
+        drafter: String,
+        /// Its reason.
+        reason: String,
+    },
+    /// The protocol layer failed.
+    #[error("drafter protocol: cannot {op}")]
+    Protocol {
+        /// What was being done.
+        op: &'static str,
+        /// The protocol error.
+        #[source]
+        source: specula_protocol::Error,
+    },
+}
+
+/// Deadlines and limits of a [`DrafterClient`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClientConfig {
+    /// Spawn to ready.
+    pub handshake_timeout: Duration,
+    /// How long a draft request may take; a late reply is dropped and the round runs draft-less.
+    pub draft_deadline: Duration,
+    /// Bad replies in a row after which the drafter is restarted.
+    pub max_bad_replies: u32,
+    /// First respawn delay; doubles after each failed start.
+    pub backoff_base: Duration,
+    /// Longest respawn delay.
+    pub backoff_max: Duration,
+    /// Failed starts in a row after which the drafter is given up ([`DrafterState::Failed`]).
+    pub max_failed_starts: u32,
+    /// Size of the shared-memory ring for taps, when the drafter wants any.
+    pub region_bytes: usize,
+    /// How many round-trip latencies are kept for percentiles.
+    pub rtt_samples: usize,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            handshake_timeout: Duration::from_secs(10),
+            draft_deadline: Duration::from_millis(200),
+            max_bad_replies: 8,
+            backoff_base: Duration::from_millis(50),
+            backoff_max: Duration::from_secs(5),
+            max_failed_starts: 6,
+            region_bytes: 64 << 20,
+            rtt_samples: 1 << 16,
+        }
+    }
+}
+
+/// Counters of one drafter client.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DrafterStats {
+    /// Draft requests sent.
+    pub requests: u64,
+    /// Valid drafted tokens handed to the verify loop.
+    pub drafted: u64,
+    /// Drafted tokens the target accepted.
+    pub accepted: u64,
+    /// Replies discarded as invalid (bad ids, too many tokens, bad `q`, wrong session).
+    pub discarded: u64,
+    /// Requests whose reply missed the deadline.
+    pub deadline_misses: u64,
+    /// Late replies dropped because their sequence number was stale.
+    pub late_replies: u64,
+    /// Times the drafter process was (re)started after the first start.
+    pub restarts: u64,
+    /// Recent Draft → Drafted round trips, in microseconds, oldest first.
+    pub rtt_us: VecDeque<u32>,
+}
+
+impl DrafterStats {
+    /// The `p`-th percentile (`0.0..=1.0`) of the recorded round trips.
+    pub fn rtt_percentile(&self, p: f64) -> Option<Duration> {
+        if self.rtt_us.is_empty() {
+            return None;
+        }
+        let mut sorted: Vec<u32> = self.rtt_us.iter().copied().collect();
+        sorted.sort_unstable();
+        let rank = ((sorted.len() - 1) as f64 * p.clamp(0.0, 1.0)).round() as usize;
+        Some(Duration::from_micros(u64::from(sorted[rank])))
+    }
+}

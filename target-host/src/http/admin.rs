@@ -22,7 +22,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::{Deserialize, Serialize};
 
-use super::error::{ApiError, ApiJson};
+use super::error::{parse_value, ApiError, ApiJson};
 use super::metrics::{DrafterMeter, Metered, Metrics};
 use super::AppState;
 use crate::proposer::Proposer;
@@ -134,7 +134,7 @@ struct Registry {
 pub struct Admin {
     token: Option<String>,
     loopback: bool,
-    launcher: Option<Launcher>,
+    launcher: Launcher,
     registry: Arc<Mutex<Registry>>,
     /// One swap at a time: two concurrent installs must not both think they replaced the other.
     swapping: tokio::sync::Mutex<()>,
@@ -146,8 +146,13 @@ fn lock(m: &Mutex<Registry>) -> std::sync::MutexGuard<'_, Registry> {
 
 impl Admin {
     /// Admin state for a server bound to a loopback address or not, with `launcher` to start
-    /// drafters (`None`: `POST` answers 501). Restart counts are reported to `metrics`.
-    pub fn new(token: Option<String>, loopback: bool, launcher: Option<Launcher>, metrics: &Metrics) -> Admin {
+    /// drafters. Restart counts are reported to `metrics`.
+    pub fn new(
+        token: Option<String>,
+        loopback: bool,
+        launcher: Launcher,
+        metrics: &Metrics,
+    ) -> Admin {
         let registry: Arc<Mutex<Registry>> = Arc::default();
         let source = registry.clone();
         metrics.set_restart_source(Box::new(move || {
@@ -207,12 +212,16 @@ impl Admin {
     /// Name of the current drafter.
     pub fn current_name(&self) -> Option<String> {
         let reg = lock(&self.registry);
-        reg.current.map(|id| reg.records[id as usize - 1].name.clone())
+        reg.current
+            .map(|id| reg.records[id as usize - 1].name.clone())
     }
 
     fn views(&self) -> Vec<DrafterView> {
         let reg = lock(&self.registry);
-        reg.records.iter().map(|r| r.view(reg.current == Some(r.id))).collect()
+        reg.records
+            .iter()
+            .map(|r| r.view(reg.current == Some(r.id)))
+            .collect()
     }
 }
 
@@ -244,8 +253,10 @@ pub async fn guard(State(state): State<Arc<AppState>>, req: Request, next: Next)
                 "the admin API needs `Authorization: Bearer <admin token>`",
             )
             .into_response();
-            resp.headers_mut()
-                .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+            resp.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
             resp
         }
     }
@@ -257,54 +268,49 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 /// `GET /admin/drafters`.
-pub async fn list(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
-    let views = state.admin.views();
+pub async fn list(State(state): State<Arc<AppState>>) -> Result<Json<serde_json::Value>, ApiError> {
+    // Reading a drafter's status waits for its current proposer call (bounded by the deadline).
+    let views = tokio::task::spawn_blocking(move || state.admin.views())
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
     let current = views.iter().find(|v| v.current).map(|v| v.id);
-    Json(serde_json::json!({ "current": current, "drafters": views }))
+    Ok(Json(
+        serde_json::json!({ "current": current, "drafters": views }),
+    ))
 }
 
 /// `POST /admin/drafters`: starts the drafter, then swaps it in.
 ///
 /// # Errors
-/// 400 for a bad body, 501 when this server cannot start drafters, 422 with the reason when the
-/// drafter fails to start or to handshake (the current drafter stays).
+/// 400 for a bad body, 422 with the reason when the drafter fails to start or to handshake (the
+/// current drafter stays).
 pub async fn install(
     State(state): State<Arc<AppState>>,
-    body: Result<ApiJson<InstallRequest>, ApiError>,
+    body: Result<ApiJson, ApiError>,
 ) -> Result<(StatusCode, Json<DrafterView>), ApiError> {
-    let ApiJson(req) = body?;
+    let ApiJson(body) = body?;
+    let req: InstallRequest = parse_value(&body)?;
     if req.path.is_empty() {
         return Err(ApiError::invalid("path", "path must not be empty"));
     }
     let _one_at_a_time = state.admin.swapping.lock().await;
     let launch_state = state.clone();
     let (path, args) = (req.path.clone(), req.args.clone());
-    let launched = tokio::task::spawn_blocking(move || {
-        let launcher = launch_state.admin.launcher.as_ref()?;
-        Some(launcher(&path, &args))
-    })
-    .await
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
-    let launched = match launched {
-        None => {
-            return Err(ApiError::new(
-                StatusCode::NOT_IMPLEMENTED,
-                "no_launcher",
-                "this server cannot start drafters",
-            ))
+    let launched = tokio::task::spawn_blocking(move || (launch_state.admin.launcher)(&path, &args))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+    let launched = launched.map_err(|e| {
+        tracing::warn!(path = %req.path, "drafter failed to start: {e:#}");
+        ApiError {
+            status: StatusCode::UNPROCESSABLE_ENTITY,
+            message: format!("drafter {} failed to start: {e:#}", req.path),
+            param: Some("path".into()),
+            code: "drafter_failed",
         }
-        Some(Err(e)) => {
-            tracing::warn!(path = %req.path, "drafter failed to start: {e:#}");
-            return Err(ApiError {
-                status: StatusCode::UNPROCESSABLE_ENTITY,
-                message: format!("drafter {} failed to start: {e:#}", req.path),
-                param: Some("path".into()),
-                code: "drafter_failed",
-            });
-        }
-        Some(Ok(l)) => l,
-    };
-    let (proposer, view) = state.admin.register(launched, Some(req.path), req.args, &state.metrics);
+    })?;
+    let (proposer, view) = state
+        .admin
+        .register(launched, Some(req.path), req.args, &state.metrics);
     swap_in(&state, Some(proposer)).await;
     tracing::info!(drafter = %view.name, id = view.id, "drafter swapped in");
     Ok((StatusCode::CREATED, Json(view)))

@@ -6,10 +6,10 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use specula_models::chat::ChatMessage;
+use specula_models::chat::{ChatMessage, GenerationPrompt};
 use specula_models::tokenizer::Tokenizer;
 
-use super::error::{ApiError, ApiJson};
+use super::error::{parse_value, ApiError, ApiJson};
 use super::openai_types::{
     ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatMessageIn, ChatMessageOut,
     ChatRequest, ChatResponse, ChatTokenLogprob, MessageContent, TopLogprob, Usage,
@@ -22,7 +22,7 @@ use crate::generation::Generation;
 /// `POST /v1/chat/completions`.
 pub async fn handler(
     State(state): State<Arc<AppState>>,
-    body: Result<ApiJson<ChatRequest>, ApiError>,
+    body: Result<ApiJson, ApiError>,
 ) -> Response {
     match run(&state, body).await {
         Ok(r) => r,
@@ -33,12 +33,16 @@ pub async fn handler(
     }
 }
 
-async fn run(state: &Arc<AppState>, body: Result<ApiJson<ChatRequest>, ApiError>) -> Result<Response, ApiError> {
-    let ApiJson(req) = body?;
-    let checked = check_common(state, &req.common)?;
+async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<Response, ApiError> {
+    let ApiJson(body) = body?;
+    let req: ChatRequest = parse_value(&body)?;
+    let checked = check_common(state, &parse_value(&body)?)?;
     let logprobs = match (req.logprobs, req.top_logprobs) {
         (false, Some(_)) => {
-            return Err(ApiError::invalid("top_logprobs", "top_logprobs needs logprobs = true"))
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "top_logprobs needs logprobs = true",
+            ))
         }
         (false, None) => None,
         (true, n) => Some(check_top_logprobs("top_logprobs", n.unwrap_or(0))?),
@@ -104,7 +108,10 @@ fn render(state: &AppState, messages: &[ChatMessageIn]) -> Result<String, ApiErr
                         _ => {
                             return Err(ApiError::invalid(
                                 &format!("messages[{i}].content[{j}]"),
-                                format!("content part of type `{}` is not supported: only text", p.kind),
+                                format!(
+                                    "content part of type `{}` is not supported: only text",
+                                    p.kind
+                                ),
                             ))
                         }
                     }
@@ -117,9 +124,12 @@ fn render(state: &AppState, messages: &[ChatMessageIn]) -> Result<String, ApiErr
             content,
         });
     }
-    template
-        .render(&plain, true)
-        .map_err(|e| ApiError::invalid("messages", format!("the chat template rejected the messages: {e}")))
+    template.render(&plain, GenerationPrompt::Add).map_err(|e| {
+        ApiError::invalid(
+            "messages",
+            format!("the chat template rejected the messages: {e}"),
+        )
+    })
 }
 
 struct ChatChunks {
@@ -148,7 +158,11 @@ impl ChatChunks {
                     .iter()
                     .map(|&(id, p)| {
                         let (bytes, token, logprob) = entry(id, p);
-                        TopLogprob { token, logprob, bytes }
+                        TopLogprob {
+                            token,
+                            logprob,
+                            bytes,
+                        }
                     })
                     .collect();
                 ChatTokenLogprob {
@@ -196,7 +210,9 @@ impl Chunks for ChatChunks {
         if token.text.is_empty() && !self.logprobs {
             return None;
         }
-        let logprobs = self.logprobs.then(|| self.logprobs_of(std::slice::from_ref(&token)));
+        let logprobs = self
+            .logprobs
+            .then(|| self.logprobs_of(std::slice::from_ref(&token)));
         let delta = ChatDelta {
             role: None,
             content: Some(token.text),

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 
-use super::error::{ApiError, ApiJson};
+use super::error::{parse_value, ApiError, ApiJson};
 use super::openai_types::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptField, Usage,
 };
@@ -22,7 +22,7 @@ const DEFAULT_MAX_TOKENS: usize = 16;
 /// `POST /v1/completions`.
 pub async fn handler(
     State(state): State<Arc<AppState>>,
-    body: Result<ApiJson<CompletionRequest>, ApiError>,
+    body: Result<ApiJson, ApiError>,
 ) -> Response {
     match run(&state, body).await {
         Ok(r) => r,
@@ -33,12 +33,10 @@ pub async fn handler(
     }
 }
 
-async fn run(
-    state: &Arc<AppState>,
-    body: Result<ApiJson<CompletionRequest>, ApiError>,
-) -> Result<Response, ApiError> {
-    let ApiJson(req) = body?;
-    let mut checked = check_common(state, &req.common)?;
+async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<Response, ApiError> {
+    let ApiJson(body) = body?;
+    let req: CompletionRequest = parse_value(&body)?;
+    let mut checked = check_common(state, &parse_value(&body)?)?;
     checked.default_max_tokens = Some(DEFAULT_MAX_TOKENS);
     if req.echo {
         return Err(ApiError::invalid("echo", "echo = true is not supported"));
@@ -49,11 +47,17 @@ async fn run(
         PromptField::Many(v) => {
             return Err(ApiError::invalid(
                 "prompt",
-                format!("a batch of {} prompts is not supported: send one prompt", v.len()),
+                format!(
+                    "a batch of {} prompts is not supported: send one prompt",
+                    v.len()
+                ),
             ))
         }
     };
-    let logprobs = req.logprobs.map(|n| check_top_logprobs("logprobs", n)).transpose()?;
+    let logprobs = req
+        .logprobs
+        .map(|n| check_top_logprobs("logprobs", n))
+        .transpose()?;
     let prompt_ids = encode(state, &prompt, "prompt").await?;
     let (gen_req, plan) = checked.into_request(state, prompt_ids, logprobs, "prompt")?;
     let rx = state.engine.submit(gen_req);
@@ -88,7 +92,11 @@ async fn run(
 }
 
 /// The legacy `logprobs` object for `tokens`, whose text starts at byte `offset`.
-fn legacy_logprobs(tokenizer: &Tokenizer, tokens: &[TokenOut], offset: usize) -> CompletionLogprobs {
+fn legacy_logprobs(
+    tokenizer: &Tokenizer,
+    tokens: &[TokenOut],
+    offset: usize,
+) -> CompletionLogprobs {
     let mut out = CompletionLogprobs::default();
     let mut at = offset;
     for t in tokens {
@@ -142,7 +150,11 @@ impl Chunks for CompletionChunks {
             return None;
         }
         let logprobs = self.logprobs.then(|| {
-            legacy_logprobs(self.state.engine.tokenizer(), std::slice::from_ref(&token), self.offset)
+            legacy_logprobs(
+                self.state.engine.tokenizer(),
+                std::slice::from_ref(&token),
+                self.offset,
+            )
         });
         self.offset += token.text.len();
         let choice = CompletionChoice {

@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::extract::State;
-use axum::http::header;
-use axum::response::IntoResponse;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
 use specula_models::sampling::SamplingParams;
 
 use super::AppState;
@@ -52,7 +52,8 @@ impl Histogram {
         if let Some(i) = self.bounds.iter().position(|&b| s <= b) {
             self.counts[i].fetch_add(1, Ordering::Relaxed);
         }
-        self.sum_us.fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+        self.sum_us
+            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
         self.count.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -66,8 +67,13 @@ impl Histogram {
         let count = self.count.load(Ordering::Relaxed);
         let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {count}");
         let sum = self.sum_us.load(Ordering::Relaxed) as f64 / 1e6;
-        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
-        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
+        let braced = if labels.is_empty() {
+            String::new()
+        } else {
+            format!("{{{labels}}}")
+        };
+        let _ = writeln!(out, "{name}_sum{braced} {sum}");
+        let _ = writeln!(out, "{name}_count{braced} {count}");
     }
 }
 
@@ -138,8 +144,10 @@ impl Metrics {
 
     /// Counts a finished generation.
     pub fn generation(&self, prompt_tokens: usize, generated: usize, started: Instant) {
-        self.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
-        self.generation_tokens.fetch_add(generated as u64, Ordering::Relaxed);
+        self.prompt_tokens
+            .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+        self.generation_tokens
+            .fetch_add(generated as u64, Ordering::Relaxed);
         self.duration.observe(started.elapsed());
     }
 
@@ -180,60 +188,135 @@ impl Metrics {
         let mut family = |out: &mut String, name: &str, kind: &str, help: &str| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
         };
-        family(&mut out, "specula_requests_total", "counter", "HTTP API requests by endpoint and status.");
+        family(
+            &mut out,
+            "specula_requests_total",
+            "counter",
+            "HTTP API requests by endpoint and status.",
+        );
         for ((endpoint, status), n) in lock(&self.requests).iter() {
-            let _ = writeln!(out, "specula_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {n}");
+            let _ = writeln!(
+                out,
+                "specula_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {n}"
+            );
         }
         let counters = [
-            ("specula_prompt_tokens_total", "Prompt tokens of finished generations.", &self.prompt_tokens),
-            ("specula_generation_tokens_total", "Tokens generated.", &self.generation_tokens),
-            ("specula_cancelled_requests_total", "Generations cancelled by a client disconnect.", &self.cancelled),
+            (
+                "specula_prompt_tokens_total",
+                "Prompt tokens of finished generations.",
+                &self.prompt_tokens,
+            ),
+            (
+                "specula_generation_tokens_total",
+                "Tokens generated.",
+                &self.generation_tokens,
+            ),
+            (
+                "specula_cancelled_requests_total",
+                "Generations cancelled by a client disconnect.",
+                &self.cancelled,
+            ),
         ];
         for (name, help, v) in counters {
             family(&mut out, name, "counter", help);
             let _ = writeln!(out, "{name} {}", v.load(Ordering::Relaxed));
         }
-        family(&mut out, "specula_queue_depth", "gauge", "Requests waiting or running in the engine.");
+        family(
+            &mut out,
+            "specula_queue_depth",
+            "gauge",
+            "Requests waiting or running in the engine.",
+        );
         let _ = writeln!(out, "specula_queue_depth {queue_depth}");
-        family(&mut out, "specula_time_to_first_token_seconds", "histogram", "Time from request to first token.");
-        self.ttft.render(&mut out, "specula_time_to_first_token_seconds", "");
-        family(&mut out, "specula_request_duration_seconds", "histogram", "Time from request to last token.");
-        self.duration.render(&mut out, "specula_request_duration_seconds", "");
+        family(
+            &mut out,
+            "specula_time_to_first_token_seconds",
+            "histogram",
+            "Time from request to first token.",
+        );
+        self.ttft
+            .render(&mut out, "specula_time_to_first_token_seconds", "");
+        family(
+            &mut out,
+            "specula_request_duration_seconds",
+            "histogram",
+            "Time from request to last token.",
+        );
+        self.duration
+            .render(&mut out, "specula_request_duration_seconds", "");
         self.render_drafters(&mut out, &mut family);
         out
     }
 
-    fn render_drafters(&self, out: &mut String, family: &mut dyn FnMut(&mut String, &str, &str, &str)) {
+    fn render_drafters(
+        &self,
+        out: &mut String,
+        family: &mut dyn FnMut(&mut String, &str, &str, &str),
+    ) {
         let drafters = lock(&self.drafters);
         let series: [(&str, &str, fn(&DrafterMeter) -> String); 4] = [
-            ("specula_drafted_tokens_total", "Draft tokens offered to the target.", |m| {
-                m.drafted.load(Ordering::Relaxed).to_string()
-            }),
-            ("specula_accepted_tokens_total", "Draft tokens the target accepted.", |m| {
-                m.accepted.load(Ordering::Relaxed).to_string()
-            }),
-            ("specula_draft_rounds_total", "Verify rounds that had drafts.", |m| {
-                m.rounds.load(Ordering::Relaxed).to_string()
-            }),
-            ("specula_acceptance_rate", "Accepted / drafted tokens.", |m| m.acceptance_rate().to_string()),
+            (
+                "specula_drafted_tokens_total",
+                "Draft tokens offered to the target.",
+                |m| m.drafted.load(Ordering::Relaxed).to_string(),
+            ),
+            (
+                "specula_accepted_tokens_total",
+                "Draft tokens the target accepted.",
+                |m| m.accepted.load(Ordering::Relaxed).to_string(),
+            ),
+            (
+                "specula_draft_rounds_total",
+                "Verify rounds that had drafts.",
+                |m| m.rounds.load(Ordering::Relaxed).to_string(),
+            ),
+            (
+                "specula_acceptance_rate",
+                "Accepted / drafted tokens.",
+                |m| m.acceptance_rate().to_string(),
+            ),
         ];
         for (name, help, value) in series {
-            let kind = if name.ends_with("_total") { "counter" } else { "gauge" };
+            let kind = if name.ends_with("_total") {
+                "counter"
+            } else {
+                "gauge"
+            };
             family(out, name, kind, help);
             for (drafter, m) in drafters.iter() {
-                let _ = writeln!(out, "{name}{{drafter=\"{}\"}} {}", escape(drafter), value(m));
+                let _ = writeln!(
+                    out,
+                    "{name}{{drafter=\"{}\"}} {}",
+                    escape(drafter),
+                    value(m)
+                );
             }
         }
         let name = "specula_drafter_round_trip_seconds";
-        family(out, name, "histogram", "Time of one draft request to the drafter.");
+        family(
+            out,
+            name,
+            "histogram",
+            "Time of one draft request to the drafter.",
+        );
         for (drafter, m) in drafters.iter() {
-            m.round_trip.render(out, name, &format!("drafter=\"{}\"", escape(drafter)));
+            m.round_trip
+                .render(out, name, &format!("drafter=\"{}\"", escape(drafter)));
         }
         drop(drafters);
-        family(out, "specula_drafter_restarts_total", "counter", "Drafter process restarts by the supervisor.");
+        family(
+            out,
+            "specula_drafter_restarts_total",
+            "counter",
+            "Drafter process restarts by the supervisor.",
+        );
         if let Some(source) = lock(&self.restarts).as_ref() {
             for (drafter, n) in source() {
-                let _ = writeln!(out, "specula_drafter_restarts_total{{drafter=\"{}\"}} {n}", escape(&drafter));
+                let _ = writeln!(
+                    out,
+                    "specula_drafter_restarts_total{{drafter=\"{}\"}} {n}",
+                    escape(&drafter)
+                );
             }
         }
     }
@@ -241,14 +324,28 @@ impl Metrics {
 
 /// Escapes a Prometheus label value.
 fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// `GET /metrics`.
-pub async fn handler(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+pub async fn handler(State(state): State<Arc<AppState>>) -> Response {
     state.metrics.request("metrics", 200);
-    let body = state.metrics.render(state.engine.queue_depth());
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body)
+    // Restart counts come from drafter clients, which answer between proposer calls.
+    let render =
+        tokio::task::spawn_blocking(move || state.metrics.render(state.engine.queue_depth()));
+    match render.await {
+        Ok(body) => (
+            [(
+                header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            body,
+        )
+            .into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
 }
 
 /// A [`Proposer`] that counts what passes through it into a [`DrafterMeter`].
@@ -274,7 +371,13 @@ impl Proposer for Metered {
         self.inner.wants()
     }
 
-    fn open(&mut self, session: SessionId, prompt: &[u32], sampling: &SamplingParams, taps: Option<&TapRows>) {
+    fn open(
+        &mut self,
+        session: SessionId,
+        prompt: &[u32],
+        sampling: &SamplingParams,
+        taps: Option<&TapRows>,
+    ) {
         self.inner.open(session, prompt, sampling, taps);
     }
 
@@ -286,8 +389,12 @@ impl Proposer for Metered {
     }
 
     fn verdict(&mut self, session: SessionId, verdict: &Verdict<'_>) {
-        self.meter.drafted.fetch_add(verdict.drafted as u64, Ordering::Relaxed);
-        self.meter.accepted.fetch_add(verdict.accepted as u64, Ordering::Relaxed);
+        self.meter
+            .drafted
+            .fetch_add(verdict.drafted as u64, Ordering::Relaxed);
+        self.meter
+            .accepted
+            .fetch_add(verdict.accepted as u64, Ordering::Relaxed);
         self.meter.rounds.fetch_add(1, Ordering::Relaxed);
         self.inner.verdict(session, verdict);
     }
@@ -327,11 +434,16 @@ mod tests {
         d.accepted.fetch_add(4, Ordering::Relaxed);
         let text = m.render(2);
         assert!(text.contains("specula_requests_total{endpoint=\"chat\",status=\"200\"} 2\n"));
-        assert!(text.contains("specula_requests_total{endpoint=\"completions\",status=\"400\"} 1\n"));
+        assert!(
+            text.contains("specula_requests_total{endpoint=\"completions\",status=\"400\"} 1\n")
+        );
         assert!(text.contains("specula_prompt_tokens_total 7\n"));
         assert!(text.contains("specula_generation_tokens_total 3\n"));
         assert!(text.contains("specula_queue_depth 2\n"));
         assert!(text.contains("specula_acceptance_rate{drafter=\"ngram\"} 0.4\n"));
-        assert!(Arc::ptr_eq(&d, &m.drafter("ngram")), "a name keeps its meter");
+        assert!(
+            Arc::ptr_eq(&d, &m.drafter("ngram")),
+            "a name keeps its meter"
+        );
     }
 }

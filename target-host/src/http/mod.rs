@@ -17,6 +17,7 @@ pub mod admin;
 pub mod chat;
 pub mod completions;
 pub mod error;
+mod launch;
 pub mod metrics;
 pub mod models;
 pub mod openai_types;
@@ -37,11 +38,11 @@ use specula_models::tokenizer::{Special, Tokenizer};
 
 use self::admin::Admin;
 use self::error::ApiError;
-use self::metrics::{Metered, Metrics};
+use self::metrics::Metrics;
+use crate::drafter_args::DrafterArgs;
 use crate::engine::Engine;
 use crate::generation::Speculation;
 use crate::models::{load_model, ModelArgs};
-use crate::proposer::Proposer;
 
 /// Largest request body accepted (bigger → 413).
 pub const MAX_BODY_BYTES: usize = 4 << 20;
@@ -57,7 +58,7 @@ pub struct ServeArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     /// The drafter started with the server (more can be swapped in through the admin API).
-    pub drafter: crate::drafter_args::DrafterArgs,
+    pub drafter: DrafterArgs,
     /// Address to bind. Loopback by default; on any other address the admin API needs
     /// `--admin-token`.
     #[arg(long, default_value = "127.0.0.1")]
@@ -107,24 +108,42 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             .unwrap_or_else(|| path.display().to_string())
     });
     let metrics = Arc::new(Metrics::default());
-    let (proposer, speculation) = args.drafter.start(&loaded)?;
-    let default_num_draft_tokens = args.drafter.num_draft_tokens;
-    let admin = Admin::new(args.admin_token.clone(), args.host.is_loopback(), &metrics, proposer.as_deref());
-    let proposer = proposer.map(|p| Box::new(Metered::new(p, &metrics)) as Box<dyn Proposer>);
-    let engine = Engine::start(loaded, proposer);
+    let engine = Engine::start(loaded, None);
+    let launcher = launch::launcher(&engine, &args.drafter);
+    let first = match (&args.drafter.drafter, args.drafter.no_speculation) {
+        (Some(path), false) => Some((path.clone(), launcher(path, &args.drafter.drafter_args)?)),
+        _ => None,
+    };
+    let admin = Admin::new(
+        args.admin_token.clone(),
+        args.host.is_loopback(),
+        launcher,
+        &metrics,
+    );
+    if let Some((path, launched)) = first {
+        let (proposer, view) = admin.register(
+            launched,
+            Some(path),
+            args.drafter.drafter_args.clone(),
+            &metrics,
+        );
+        tracing::info!(drafter = %view.name, pid = ?view.status.pid, "drafter ready");
+        engine.slot().replace(Some(proposer));
+    }
+    let speculation = if args.drafter.no_speculation {
+        Speculation::Off
+    } else {
+        // Speculate even without a drafter: one may be swapped in later, and with an empty
+        // slot a round simply has no drafts.
+        Speculation::On {
+            num_draft_tokens: args.drafter.num_draft_tokens,
+        }
+    };
     let state = Arc::new(AppState {
         engine: engine.clone(),
         model_name,
-        // Even a server started without a drafter speculates once one is swapped in; with an
-        // empty slot a round simply has no drafts. `--no-speculation` keeps it off.
-        speculation: match speculation {
-            Speculation::Off if args.drafter.no_speculation => Speculation::Off,
-            Speculation::Off => Speculation::On {
-                num_draft_tokens: default_num_draft_tokens,
-            },
-            on => on,
-        },
-        default_num_draft_tokens,
+        speculation,
+        default_num_draft_tokens: args.drafter.num_draft_tokens,
         metrics,
         admin,
         started: unix_now(),
@@ -150,7 +169,10 @@ pub fn router(state: Arc<AppState>) -> Router {
     let admin_routes = Router::new()
         .route("/admin/drafters", get(admin::list).post(admin::install))
         .route("/admin/drafters/current", delete(admin::remove))
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), admin::guard));
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            admin::guard,
+        ));
     Router::new()
         .route("/v1/completions", post(completions::handler))
         .route("/v1/chat/completions", post(chat::handler))
@@ -214,7 +236,11 @@ async fn shutdown_signal() -> &'static str {
 }
 
 async fn not_found(uri: axum::http::Uri) -> ApiError {
-    ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no route for {}", uri.path()))
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        format!("no route for {}", uri.path()),
+    )
 }
 
 async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {

@@ -53,7 +53,8 @@ pub struct SpeculativeField {
     pub num_draft_tokens: Option<usize>,
 }
 
-/// Fields shared by both generation endpoints.
+/// Fields shared by both generation endpoints, read from the same body as the endpoint's own
+/// request type (not `#[serde(flatten)]`ed into it: flattening loses the path of a bad field).
 ///
 /// Integers that may legitimately be out of range (`max_tokens`, `n`) are read as `i64` so a
 /// negative value gets a range error rather than a type error.
@@ -100,9 +101,6 @@ pub struct CompletionRequest {
     /// Echo the prompt before the completion (only `false` is supported).
     #[serde(default)]
     pub echo: bool,
-    /// Shared fields.
-    #[serde(flatten)]
-    pub common: CommonParams,
 }
 
 /// `prompt`: a string, or a list holding exactly one string.
@@ -155,9 +153,6 @@ pub struct ChatRequest {
     pub logprobs: bool,
     /// Alternatives per token (0..=20); needs `logprobs: true`.
     pub top_logprobs: Option<i64>,
-    /// Shared fields.
-    #[serde(flatten)]
-    pub common: CommonParams,
 }
 
 /// Speculation counters of one request (Specula extension of `usage`).
@@ -401,17 +396,16 @@ mod tests {
     }
 
     #[test]
-    fn chat_request_reads_flattened_common_fields() {
-        let req: ChatRequest = serde_json::from_str(
-            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}],
+    fn chat_and_common_fields_read_from_one_body() {
+        let body = r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}],
                 "max_tokens": 5, "stream": true, "logprobs": true, "top_logprobs": 2,
-                "speculative": {"enabled": false}, "user": "ignored"}"#,
-        )
-        .unwrap();
-        assert_eq!(req.common.max_tokens, Some(5));
-        assert!(req.common.stream && req.logprobs);
+                "speculative": {"enabled": false}, "user": "ignored"}"#;
+        let req: ChatRequest = serde_json::from_str(body).unwrap();
+        let common: CommonParams = serde_json::from_str(body).unwrap();
+        assert_eq!(common.max_tokens, Some(5));
+        assert!(common.stream && req.logprobs);
         assert_eq!(req.top_logprobs, Some(2));
-        assert_eq!(req.common.speculative.unwrap().enabled, Some(false));
+        assert_eq!(common.speculative.unwrap().enabled, Some(false));
         assert!(matches!(
             req.messages[0].content,
             Some(MessageContent::Parts(ref p)) if p[0].text.as_deref() == Some("hi")

@@ -55,7 +55,10 @@ pub fn check_common(state: &AppState, p: &CommonParams) -> Result<Checked, ApiEr
     }
     if let Some(n) = p.n {
         if n != 1 {
-            return Err(ApiError::invalid("n", format!("n = {n} is not supported: only n = 1")));
+            return Err(ApiError::invalid(
+                "n",
+                format!("n = {n} is not supported: only n = 1"),
+            ));
         }
     }
     let context = state.engine.model().context_len();
@@ -66,7 +69,10 @@ pub fn check_common(state: &AppState, p: &CommonParams) -> Result<Checked, ApiEr
     let max_tokens = match max_tokens {
         None => None,
         Some(m) if m <= 0 => {
-            return Err(ApiError::invalid(max_param, format!("{max_param} must be at least 1, got {m}")))
+            return Err(ApiError::invalid(
+                max_param,
+                format!("{max_param} must be at least 1, got {m}"),
+            ))
         }
         Some(m) if m as u64 > context as u64 => {
             return Err(ApiError::invalid(
@@ -78,7 +84,12 @@ pub fn check_common(state: &AppState, p: &CommonParams) -> Result<Checked, ApiEr
     };
     let top_k = match p.top_k {
         None | Some(0) | Some(-1) => None, // vLLM spells "off" as -1
-        Some(k) if k < 0 => return Err(ApiError::invalid("top_k", format!("top_k must be >= 0, got {k}"))),
+        Some(k) if k < 0 => {
+            return Err(ApiError::invalid(
+                "top_k",
+                format!("top_k must be >= 0, got {k}"),
+            ))
+        }
         Some(k) => Some(k as usize),
     };
     let sampling = SamplingParams {
@@ -95,7 +106,10 @@ pub fn check_common(state: &AppState, p: &CommonParams) -> Result<Checked, ApiEr
     }
     let stop = p.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
     if stop.len() > MAX_STOPS {
-        return Err(ApiError::invalid("stop", format!("at most {MAX_STOPS} stop strings, got {}", stop.len())));
+        return Err(ApiError::invalid(
+            "stop",
+            format!("at most {MAX_STOPS} stop strings, got {}", stop.len()),
+        ));
     }
     if stop.iter().any(String::is_empty) {
         return Err(ApiError::invalid("stop", "stop strings must not be empty"));
@@ -128,10 +142,15 @@ fn speculation(state: &AppState, p: &CommonParams) -> Result<Speculation, ApiErr
     if k == 0 || k > super::MAX_DRAFT_TOKENS {
         return Err(ApiError::invalid(
             "speculative.num_draft_tokens",
-            format!("num_draft_tokens must be in 1..={}, got {k}", super::MAX_DRAFT_TOKENS),
+            format!(
+                "num_draft_tokens must be in 1..={}, got {k}",
+                super::MAX_DRAFT_TOKENS
+            ),
         ));
     }
-    Ok(Speculation::On { num_draft_tokens: k })
+    Ok(Speculation::On {
+        num_draft_tokens: k,
+    })
 }
 
 /// The field a sampling validation message is about.

@@ -65,7 +65,11 @@ impl Tracker {
         match result {
             Ok(g) => {
                 self.metrics.request(self.endpoint, 200);
-                self.metrics.generation(g.stats.prompt_tokens, g.stats.generated_tokens, self.started);
+                self.metrics.generation(
+                    g.stats.prompt_tokens,
+                    g.stats.generated_tokens,
+                    self.started,
+                );
             }
             Err(_) => self.metrics.request(self.endpoint, 500),
         }
@@ -119,7 +123,11 @@ pub async fn collect(
 }
 
 fn engine_error(message: String) -> ApiError {
-    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "generation_failed", message)
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "generation_failed",
+        message,
+    )
 }
 
 /// Turns engine events into the JSON payloads of one endpoint's stream chunks.
@@ -154,7 +162,10 @@ pub fn sse<C: Chunks>(
             Some(Event::Token { id, text, logprob }) => {
                 tracker.token();
                 let payload = chunks.token(TokenOut { id, text, logprob });
-                return Some((payload.iter().map(data).collect(), Some((rx, chunks, tracker))));
+                return Some((
+                    payload.iter().map(data).collect(),
+                    Some((rx, chunks, tracker)),
+                ));
             }
             Some(Event::Done(result)) => {
                 tracker.finish(&result);

@@ -32,7 +32,11 @@ pub fn verify(
     q: Option<&[Vec<f32>]>,
     history: &mut Vec<u32>,
 ) -> Acceptance {
-    debug_assert_eq!(rows.len(), drafts.len() + 1, "one logit row per draft plus one");
+    debug_assert_eq!(
+        rows.len(),
+        drafts.len() + 1,
+        "one logit row per draft plus one"
+    );
     let base = history.len();
     let mut out = None;
     for (i, &d) in drafts.iter().enumerate() {
@@ -111,7 +115,9 @@ mod tests {
     }
 
     fn row(best: usize, vocab: usize) -> Vec<f32> {
-        (0..vocab).map(|i| if i == best { 5.0 } else { 0.0 }).collect()
+        (0..vocab)
+            .map(|i| if i == best { 5.0 } else { 0.0 })
+            .collect()
     }
 
     #[test]
@@ -120,11 +126,29 @@ mod tests {
         let mut s = sampler(0.0, 0);
         let mut hist = vec![];
         let a = verify(&mut s, &rows, &[3, 4, 5], None, &mut hist);
-        assert_eq!(a, Acceptance { accepted: 2, next: 7 });
+        assert_eq!(
+            a,
+            Acceptance {
+                accepted: 2,
+                next: 7
+            }
+        );
         let a = verify(&mut s, &rows, &[3, 4, 7], None, &mut hist);
-        assert_eq!(a, Acceptance { accepted: 3, next: 1 });
+        assert_eq!(
+            a,
+            Acceptance {
+                accepted: 3,
+                next: 1
+            }
+        );
         let a = verify(&mut s, &rows, &[0, 4, 7], None, &mut hist);
-        assert_eq!(a, Acceptance { accepted: 0, next: 3 });
+        assert_eq!(
+            a,
+            Acceptance {
+                accepted: 0,
+                next: 3
+            }
+        );
         assert!(hist.is_empty(), "history is restored");
     }
 

@@ -260,3 +260,6 @@ impl Model {
         Ok(ForwardOutput { logits, taps })
     }
 }
+
+#[cfg(test)]
+mod tests;

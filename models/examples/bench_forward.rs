@@ -1,0 +1,99 @@
+//! Forward-pass timing of a model: decode tokens/s and the cost of a k-token chunk relative to
+//! a single-token step (what speculative verification pays per draft length).
+//!
+//! ```text
+//! cargo run --release -p specula-models --example bench_forward -- \
+//!     --model models/cache/smollm2-135m.gguf --dtype native
+//! ```
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Parser;
+use specula_models::{load_model, ForwardRequest, LoadOptions, Model, WeightDType};
+
+#[derive(Parser)]
+struct Args {
+    /// A .gguf file or HF directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// native | f32 | f16 | bf16
+    #[arg(long, default_value = "native")]
+    dtype: String,
+    /// Context length before timing.
+    #[arg(long, default_value_t = 256)]
+    context: usize,
+    /// Tokens generated per decode run.
+    #[arg(long, default_value_t = 64)]
+    decode: usize,
+    /// Runs per measurement (median reported).
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// Deterministic token ids spread over the vocabulary.
+fn tokens(n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect()
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let dtype: WeightDType = args.dtype.parse()?;
+    let opts = LoadOptions {
+        dtype,
+        ..Default::default()
+    };
+    let t = Instant::now();
+    let model: Model = load_model(&args.model, &opts)
+        .with_context(|| format!("loading {}", args.model.display()))?;
+    println!("loaded {} ({dtype:?}) in {:.2}s", args.model.display(), t.elapsed().as_secs_f64());
+    let vocab = model.config().vocab_size;
+    let prompt = tokens(args.context, vocab);
+    let mut cache = model.new_cache();
+    let t = Instant::now();
+    model.prefill(&prompt, &mut cache, &ForwardRequest::default())?;
+    let prefill_s = t.elapsed().as_secs_f64();
+    println!(
+        "prefill {} tokens: {:.3}s ({:.1} tok/s)",
+        args.context,
+        prefill_s,
+        args.context as f64 / prefill_s
+    );
+
+    let mut rates = Vec::new();
+    for _ in 0..args.runs {
+        let t = Instant::now();
+        for tok in tokens(args.decode, vocab) {
+            model.forward(&[tok], &mut cache, &ForwardRequest::default())?;
+        }
+        rates.push(args.decode as f64 / t.elapsed().as_secs_f64());
+        cache.truncate(args.context)?;
+    }
+    println!("decode: {:.1} tok/s (median of {} runs of {})", median(rates), args.runs, args.decode);
+
+    let mut base = None;
+    for k in [1usize, 2, 4, 8, 16] {
+        let chunk = tokens(k, vocab);
+        let req = ForwardRequest {
+            last_k: k,
+            ..Default::default()
+        };
+        let mut times = Vec::new();
+        for _ in 0..args.runs.max(3) * 2 {
+            let t = Instant::now();
+            model.forward(&chunk, &mut cache, &req)?;
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+            cache.trim(k)?;
+        }
+        let ms = median(times);
+        let b = *base.get_or_insert(ms);
+        println!("chunk {k:>2} @ ctx {}: {ms:7.2} ms  ratio {:.2}", args.context, ms / b);
+    }
+    Ok(())
+}

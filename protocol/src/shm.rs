@@ -1,0 +1,335 @@
+//! Shared-memory tensors: a ring written by the host, read by one drafter.
+//!
+//! The host creates a region (a `memfd` through ipc-channel's [`IpcSharedMemory`], so nothing is
+//! ever named in `/dev/shm` and the kernel frees it when the last process holding it dies), sends
+//! it once with [`crate::wire::MapRegion`], then writes tensors into it and sends
+//! [`TensorView`]s that point at them.
+//!
+//! ```text
+//! region: [ header 64 B | data: capacity bytes, used as a ring                      ]
+//! header: magic u64 | valid_from u64 | written u64 | capacity u64 | (padding)
+//! a tensor written at absolute stream position `epoch` lives at data[epoch % capacity ..]
+//! ```
+//!
+//! Positions (`epoch`s) only grow. A tensor never wraps: it skips to the next lap instead. Before
+//! writing `[start, end)` the writer raises `valid_from` to `end - capacity` (everything older is
+//! about to be overwritten); after writing it raises `written` to `end`. A reader copies the bytes,
+//! then checks that `valid_from` has not passed the view's epoch: if it has, the copy may be torn
+//! and the tensor is dropped (seqlock style: epoch checked before and after).
+
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+
+use ipc_channel::ipc::IpcSharedMemory;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Names a region within one host-drafter connection.
+pub type RegionId = u32;
+
+/// Element type of a tensor in shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DType {
+    /// 32-bit float, little endian.
+    F32,
+}
+
+/// Where a tensor lives in a region, and which write it belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorView {
+    /// The region.
+    pub region: RegionId,
+    /// Byte offset from the start of the region.
+    pub offset: u64,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape, row-major.
+    pub shape: Vec<u32>,
+    /// Absolute stream position of the write; the reader checks it is still intact.
+    pub epoch: u64,
+}
+
+impl TensorView {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().map(|&d| d as usize).product()
+    }
+}
+
+/// K and V rows of one layer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvView {
+    /// `rows × kv_heads × head_dim`.
+    pub k: TensorView,
+    /// `rows × kv_heads × head_dim`.
+    pub v: TensorView,
+}
+
+/// Target activations of a window of positions, as views into shared memory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TapViews {
+    /// Absolute position of the first row.
+    pub pos: u64,
+    /// Number of rows.
+    pub rows: u32,
+    /// One per requested tap layer (same order as `Capabilities::tap_layers`): `rows × hidden`.
+    pub layers: Vec<TensorView>,
+    /// Post-final-norm hidden, `rows × hidden`, when asked for.
+    pub final_hidden: Option<TensorView>,
+    /// K/V rows per requested layer (same order as `Capabilities::kv_layers`).
+    pub kv: Vec<KvView>,
+}
+
+const MAGIC: u64 = u64::from_le_bytes(*b"SPECSHM1");
+const HEADER: usize = 64;
+// Offsets of the header words.
+const VALID_FROM: usize = 8;
+const WRITTEN: usize = 16;
+const CAPACITY: usize = 24;
+// Tensors start on cache lines, which also keeps f32 reads aligned.
+const ALIGN: u64 = 64;
+
+fn word(mem: &[u8], at: usize) -> &AtomicU64 {
+    assert!(at + 8 <= HEADER && mem.len() >= HEADER, "invariant: header word inside the header");
+    // SAFETY: `mem` is a page-aligned mapping shared with another process, at least HEADER bytes
+    // long; `at` is 8-aligned; the borrow keeps the mapping alive. Header words are only ever
+    // accessed atomically, by both processes.
+    unsafe { &*(mem.as_ptr().add(at) as *const AtomicU64) }
+}
+
+/// The host's end of a region: the only writer.
+#[derive(Debug)]
+pub struct ShmWriter {
+    id: RegionId,
+    shm: IpcSharedMemory,
+    capacity: u64,
+    next: u64,
+}
+
+impl ShmWriter {
+    /// Creates a region whose ring holds `capacity` bytes (rounded up to 64).
+    ///
+    /// # Errors
+    /// [`Error::TooLarge`] when `capacity` is zero.
+    pub fn new(id: RegionId, capacity: usize) -> Result<Self> {
+        if capacity == 0 {
+            return Err(Error::TooLarge {
+                bytes: 0,
+                capacity,
+            });
+        }
+        let capacity = (capacity as u64).div_ceil(ALIGN) * ALIGN;
+        let shm = IpcSharedMemory::from_byte(0, HEADER + capacity as usize);
+        let base = &shm[..];
+        word(base, 0).store(MAGIC, Ordering::Relaxed);
+        word(base, CAPACITY).store(capacity, Ordering::Relaxed);
+        word(base, VALID_FROM).store(0, Ordering::Relaxed);
+        word(base, WRITTEN).store(0, Ordering::Release);
+        Ok(ShmWriter {
+            id,
+            shm,
+            capacity,
+            next: 0,
+        })
+    }
+
+    /// The region's id.
+    pub fn id(&self) -> RegionId {
+        self.id
+    }
+
+    /// A handle to send to the drafter (it maps the same memory).
+    pub fn handle(&self) -> IpcSharedMemory {
+        self.shm.clone()
+    }
+
+    /// Writes `data` with the given shape and returns its view.
+    ///
+    /// # Errors
+    /// [`Error::BadView`] when the shape does not match `data`; [`Error::TooLarge`] when the
+    /// tensor is bigger than the ring.
+    pub fn write_f32(&mut self, data: &[f32], shape: &[u32]) -> Result<TensorView> {
+        let numel: usize = shape.iter().map(|&d| d as usize).product();
+        if numel != data.len() {
+            return Err(Error::BadView {
+                reason: format!("shape {shape:?} holds {numel} values, got {}", data.len()),
+            });
+        }
+        let bytes = std::mem::size_of_val(data) as u64;
+        if bytes > self.capacity {
+            return Err(Error::TooLarge {
+                bytes: bytes as usize,
+                capacity: self.capacity as usize,
+            });
+        }
+        let mut start = self.next;
+        let lap_offset = start % self.capacity;
+        if lap_offset + bytes > self.capacity {
+            start += self.capacity - lap_offset;
+        }
+        let end = start + bytes;
+        // SAFETY: this process is the region's only writer, and its mapping is its own (the
+        // drafter maps the memfd separately), so no other `&[u8]` of this mapping is alive.
+        let mem = unsafe { self.shm.deref_mut() };
+        let valid_from = word(mem, VALID_FROM);
+        let new_valid = end.saturating_sub(self.capacity);
+        if new_valid > valid_from.load(Ordering::Relaxed) {
+            valid_from.store(new_valid, Ordering::Relaxed);
+        }
+        // Readers that see any of the new bytes must also see the raised `valid_from`.
+        fence(Ordering::Release);
+        let offset = HEADER as u64 + start % self.capacity;
+        // Readers may race with this copy; they detect it through `valid_from` and drop what they
+        // read. [offset, offset + bytes) lies inside the mapping (checked above).
+        let dst = &mut mem[offset as usize..(offset + bytes) as usize];
+        for (chunk, x) in dst.chunks_exact_mut(4).zip(data) {
+            chunk.copy_from_slice(&x.to_le_bytes());
+        }
+        word(mem, WRITTEN).store(end, Ordering::Release);
+        self.next = end.div_ceil(ALIGN) * ALIGN;
+        Ok(TensorView {
+            region: self.id,
+            offset,
+            dtype: DType::F32,
+            shape: shape.to_vec(),
+            epoch: start,
+        })
+    }
+}
+
+/// A drafter's end of a region: reads what the host wrote.
+#[derive(Debug)]
+pub struct ShmReader {
+    id: RegionId,
+    shm: IpcSharedMemory,
+    capacity: u64,
+}
+
+impl ShmReader {
+    /// Wraps a region received in [`crate::wire::MapRegion`].
+    ///
+    /// # Errors
+    /// [`Error::BadView`] when the memory is not a Specula region.
+    pub fn new(id: RegionId, shm: IpcSharedMemory) -> Result<Self> {
+        if shm.len() < HEADER || word(&shm, 0).load(Ordering::Acquire) != MAGIC {
+            return Err(Error::BadView {
+                reason: format!("region {id} is not a Specula shared-memory region"),
+            });
+        }
+        let capacity = word(&shm, CAPACITY).load(Ordering::Relaxed);
+        if capacity == 0 || HEADER as u64 + capacity != shm.len() as u64 {
+            return Err(Error::BadView {
+                reason: format!("region {id} header says {capacity} bytes, mapping has {}", shm.len()),
+            });
+        }
+        Ok(ShmReader { id, shm, capacity })
+    }
+
+    /// The region's id.
+    pub fn id(&self) -> RegionId {
+        self.id
+    }
+
+    /// Copies the tensor a view points at.
+    ///
+    /// # Errors
+    /// [`Error::BadView`] when the view names another region, or does not fit or match its epoch;
+    /// [`Error::Torn`] when the tensor was overwritten: drop it.
+    pub fn read_f32(&self, view: &TensorView) -> Result<Vec<f32>> {
+        let bad = |reason: String| Err(Error::BadView { reason });
+        if view.region != self.id {
+            return bad(format!("view names region {}, this is {}", view.region, self.id));
+        }
+        let bytes = (view.numel() * 4) as u64;
+        if bytes > self.capacity
+            || view.offset != HEADER as u64 + view.epoch % self.capacity
+            || view.epoch % self.capacity + bytes > self.capacity
+        {
+            return bad(format!(
+                "view at offset {} (epoch {}, {bytes} bytes) does not fit a ring of {} bytes",
+                view.offset, view.epoch, self.capacity
+            ));
+        }
+        let base = &self.shm[..];
+        let written = word(base, WRITTEN).load(Ordering::Acquire);
+        if written < view.epoch + bytes {
+            return bad(format!("epoch {} is not written yet ({written})", view.epoch));
+        }
+        let src = &base[view.offset as usize..(view.offset + bytes) as usize];
+        let out: Vec<f32> = src
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        // The copy above must happen before the check below (seqlock reader side).
+        fence(Ordering::Acquire);
+        let valid_from = word(base, VALID_FROM).load(Ordering::Relaxed);
+        if valid_from > view.epoch {
+            return Err(Error::Torn {
+                epoch: view.epoch,
+                valid_from,
+            });
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_read_back_bit_for_bit() {
+        let mut w = ShmWriter::new(3, 1024).unwrap();
+        let r = ShmReader::new(3, w.handle()).unwrap();
+        let a: Vec<f32> = (0..12).map(|i| i as f32 * 0.5 - 1.0).collect();
+        let b = vec![f32::MIN_POSITIVE, -0.0, f32::MAX];
+        let va = w.write_f32(&a, &[3, 4]).unwrap();
+        let vb = w.write_f32(&b, &[3]).unwrap();
+        assert_eq!(r.read_f32(&va).unwrap(), a);
+        assert_eq!(
+            r.read_f32(&vb).unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            b.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn overwritten_tensor_is_detected_as_torn() {
+        let mut w = ShmWriter::new(0, 256).unwrap();
+        let r = ShmReader::new(0, w.handle()).unwrap();
+        let first = w.write_f32(&[1.0; 32], &[32]).unwrap();
+        assert_eq!(r.read_f32(&first).unwrap(), vec![1.0; 32]);
+        // Two more 128-byte writes fill the 256-byte ring and reuse the first one's bytes.
+        w.write_f32(&[2.0; 32], &[32]).unwrap();
+        let third = w.write_f32(&[3.0; 32], &[32]).unwrap();
+        assert!(matches!(r.read_f32(&first), Err(Error::Torn { .. })));
+        assert_eq!(r.read_f32(&third).unwrap(), vec![3.0; 32]);
+    }
+
+    #[test]
+    fn tensors_skip_to_next_lap_instead_of_wrapping() {
+        let mut w = ShmWriter::new(0, 256).unwrap();
+        let r = ShmReader::new(0, w.handle()).unwrap();
+        w.write_f32(&[1.0; 40], &[40]).unwrap(); // 160 bytes: next write at 192
+        let v = w.write_f32(&[5.0; 20], &[20]).unwrap(); // 80 bytes do not fit in 64
+        assert_eq!(v.epoch, 256);
+        assert_eq!(v.offset, HEADER as u64);
+        assert_eq!(r.read_f32(&v).unwrap(), vec![5.0; 20]);
+    }
+
+    #[test]
+    fn bad_views_and_inputs_are_errors() {
+        let mut w = ShmWriter::new(1, 256).unwrap();
+        let r = ShmReader::new(1, w.handle()).unwrap();
+        assert!(matches!(w.write_f32(&[0.0; 3], &[2, 2]), Err(Error::BadView { .. })));
+        assert!(matches!(w.write_f32(&[0.0; 65], &[65]), Err(Error::TooLarge { .. })));
+        let v = w.write_f32(&[0.0; 4], &[4]).unwrap();
+        let other = TensorView { region: 2, ..v.clone() };
+        assert!(r.read_f32(&other).unwrap_err().to_string().contains("region 2"));
+        let unwritten = TensorView { epoch: 64, offset: HEADER as u64 + 64, ..v.clone() };
+        assert!(r.read_f32(&unwritten).unwrap_err().to_string().contains("not written"));
+        let shifted = TensorView { offset: v.offset + 4, ..v };
+        assert!(matches!(r.read_f32(&shifted), Err(Error::BadView { .. })));
+        assert!(ShmReader::new(1, IpcSharedMemory::from_byte(0, 128)).is_err());
+        assert!(ShmWriter::new(0, 0).is_err());
+    }
+}

@@ -1,0 +1,362 @@
+//! Every message that crosses the process boundary.
+//!
+//! Two codecs are in play. The handshake payloads ([`Hello`], [`HandshakeReply`]) travel as JSON
+//! text inside frozen envelopes ([`Connect`], [`HostMsg::Handshake`]): JSON is self-describing, so a
+//! peer of any version can read them, name the versions it was offered, and ignore fields newer
+//! than itself. Everything after the handshake is postcard (ipc-channel's codec), which is *not*
+//! self-describing: a peer must never receive a message or variant newer than the negotiated
+//! version. Each session message therefore knows the version that introduced it ([`Since`]) and
+//! [`crate::transport::Sender`] refuses to send it to an older peer.
+//!
+//! # Invariants
+//! - [`HostMsg::Handshake`] and [`DrafterMsg::Goodbye`] are variant 0 of their enums in every
+//!   version, and [`Connect`] never changes: they are how peers of different majors still talk.
+//! - New variants are appended at the end of an enum; existing variants never change shape.
+
+use ipc_channel::ipc::{IpcSender, IpcSharedMemory};
+use serde::{Deserialize, Serialize};
+
+use crate::shm::{RegionId, TapViews};
+use crate::version::{Version, PROTOCOL_VERSION};
+
+/// Identifies one request (a session) across the host and its drafters.
+pub type SessionId = u64;
+
+/// Sequence number of a request; a reply carries the number of its request.
+pub type Seq = u64;
+
+/// The first message, drafter → host, on the bootstrap connection. Frozen across all versions.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Connect {
+    /// The drafter's [`Hello`], as JSON.
+    pub hello: String,
+    /// Where the host sends its messages.
+    pub to_drafter: IpcSender<HostMsg>,
+}
+
+/// What a drafter is and what it speaks. Sent once, as JSON, inside [`Connect`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Hello {
+    /// Protocol versions the drafter speaks: per major, the newest minor.
+    pub versions: Vec<Version>,
+    /// A short name for logs and metrics.
+    pub name: String,
+    /// The drafter's own version, free text.
+    pub drafter_version: String,
+    /// What the drafter can do and wants to see.
+    pub capabilities: Capabilities,
+}
+
+/// What a drafter can do and which target activations it wants after each verify forward.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Capabilities {
+    /// The most drafts it proposes per row; the host never asks for more.
+    pub max_draft_len: u32,
+    /// How the prompt is handed over at `Open`.
+    pub prefill: PrefillMode,
+    /// Hidden-state taps: output of layer `l`, for each listed `l`.
+    pub tap_layers: Vec<u32>,
+    /// Whether the post-final-norm hidden state is wanted as its own tap.
+    pub final_hidden: bool,
+    /// Layers whose K/V rows the drafter wants to read.
+    pub kv_layers: Vec<u32>,
+}
+
+impl Capabilities {
+    /// Capabilities of a drafter that needs nothing but token ids.
+    pub fn tokens_only(max_draft_len: u32) -> Self {
+        Capabilities {
+            max_draft_len,
+            prefill: PrefillMode::LeaveLastPending,
+            tap_layers: Vec::new(),
+            final_hidden: false,
+            kv_layers: Vec::new(),
+        }
+    }
+
+    /// Whether any target activation is wanted (then the host maps a shared-memory region).
+    pub fn wants_activations(&self) -> bool {
+        !self.tap_layers.is_empty() || self.final_hidden || !self.kv_layers.is_empty()
+    }
+}
+
+/// How a drafter treats the last prompt id at `Open`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PrefillMode {
+    /// The last prompt id is pending, like the target's: it is fed with the first draft step.
+    LeaveLastPending,
+    /// The drafter runs the whole prompt at `Open`.
+    FullPrompt,
+}
+
+/// The host's answer to [`Hello`], sent as JSON inside [`HostMsg::Handshake`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum HandshakeReply {
+    /// The host accepts the drafter and names the version they will talk.
+    Welcome(Welcome),
+    /// The host refuses the drafter; it should exit non-zero.
+    Refused {
+        /// Why, for humans (names both version lists on a version mismatch).
+        reason: String,
+    },
+}
+
+/// The negotiated version and what the target is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Welcome {
+    /// The version both peers speak from now on.
+    pub version: Version,
+    /// The target model the drafter serves.
+    pub target: TargetInfo,
+}
+
+/// What a drafter needs to know about the target model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TargetInfo {
+    /// Architecture name, e.g. `qwen2`.
+    pub architecture: String,
+    /// Size of the target vocabulary: every drafted id must be below it.
+    pub vocab_size: u32,
+    /// Width of the hidden state (taps are `rows × hidden_size`).
+    pub hidden_size: u32,
+    /// Number of transformer layers.
+    pub num_layers: u32,
+    /// Number of K/V heads.
+    pub num_kv_heads: u32,
+    /// Size of one attention head.
+    pub head_dim: u32,
+    /// A digest of the tokenizer: a drafter with another tokenizer must refuse the target.
+    pub tokenizer_fingerprint: String,
+    /// End-of-sequence ids.
+    pub eos_ids: Vec<u32>,
+    /// Where the target weights live (a drafter may read e.g. the embeddings from them).
+    pub weights_path: String,
+    /// The target's context length.
+    pub context_len: u32,
+}
+
+/// Sampling parameters of a session, so a sampling drafter can match the target's distribution.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingSpec {
+    /// Softmax temperature; `0` is greedy.
+    pub temperature: f32,
+    /// Nucleus threshold (`1.0`: off).
+    pub top_p: f32,
+    /// Keep the `k` most likely tokens (`None`: off).
+    pub top_k: Option<u32>,
+    /// Drop tokens below `min_p` times the top probability (`0.0`: off).
+    pub min_p: f32,
+    /// Seed of the session's random stream.
+    pub seed: Option<u64>,
+}
+
+impl SamplingSpec {
+    /// Greedy decoding.
+    pub fn greedy() -> Self {
+        SamplingSpec {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: None,
+            min_p: 0.0,
+            seed: None,
+        }
+    }
+}
+
+/// Starts a session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Open {
+    /// The session.
+    pub session: SessionId,
+    /// The whole context so far; its last id is pending (not yet run by the target).
+    pub prompt_ids: Vec<u32>,
+    /// How the target samples.
+    pub sampling: SamplingSpec,
+    /// Activations of the prompt, when the drafter asked for taps and the host has them.
+    pub prompt_taps: Option<TapViews>,
+}
+
+/// One session's part of a [`Draft`] request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DraftRow {
+    /// The session.
+    pub session: SessionId,
+    /// Ids committed to the context that the drafter has not heard of yet (usually empty).
+    pub new_tokens: Vec<u32>,
+    /// The most drafts wanted.
+    pub n: u32,
+    /// Round number within the session, for logs.
+    pub step: u64,
+}
+
+/// Asks for drafts, for one or several sessions at once (batched serving).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Draft {
+    /// One row per session.
+    pub rows: Vec<DraftRow>,
+}
+
+/// One session's drafts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DraftedRow {
+    /// The session.
+    pub session: SessionId,
+    /// Proposed ids, at most the `n` asked for.
+    pub tokens: Vec<u32>,
+    /// The drafter's probability row (`vocab_size` entries) per drafted id, when it sampled them.
+    pub q: Option<Vec<Vec<f32>>>,
+}
+
+/// The reply to [`Draft`]: one row per asked row, in the same order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Drafted {
+    /// One row per session asked.
+    pub rows: Vec<DraftedRow>,
+}
+
+/// What the target made of the last draft.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Commit {
+    /// The session.
+    pub session: SessionId,
+    /// How many drafts were verified.
+    pub drafted: u32,
+    /// How many of them the target accepted.
+    pub accepted: u32,
+    /// Ids committed this round: the accepted drafts, then the target's own (pending) token.
+    pub accepted_ids: Vec<u32>,
+    /// Activations of the verified rows `[pending, d1..d_accepted]`, when asked for.
+    pub taps: Option<TapViews>,
+}
+
+/// Ends a session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Close {
+    /// The session.
+    pub session: SessionId,
+}
+
+/// Hands the drafter a shared-memory region, once, before any view names it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MapRegion {
+    /// The id views use to name it.
+    pub region: RegionId,
+    /// The memory itself (a memfd, passed as a file descriptor).
+    pub shm: IpcSharedMemory,
+}
+
+/// A host request. Only [`Request::Draft`] gets a reply.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Request {
+    /// See [`MapRegion`].
+    MapRegion(MapRegion),
+    /// See [`Open`].
+    Open(Open),
+    /// See [`Draft`]; answered by [`Reply::Drafted`].
+    Draft(Draft),
+    /// See [`Commit`].
+    Commit(Commit),
+    /// See [`Close`].
+    Close(Close),
+    /// The drafter exits (status 0).
+    Shutdown,
+}
+
+/// Everything host → drafter.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum HostMsg {
+    /// The [`HandshakeReply`] as JSON. Variant 0 in every version.
+    Handshake(String),
+    /// A numbered request.
+    Request {
+        /// Its sequence number.
+        seq: Seq,
+        /// The request.
+        request: Request,
+    },
+}
+
+/// A drafter's reply to a request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Reply {
+    /// The drafts asked for by a [`Request::Draft`].
+    Drafted(Drafted),
+}
+
+/// Everything drafter → host (after [`Connect`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum DrafterMsg {
+    /// The drafter refuses the target or is leaving; it exits next. Variant 0 in every version.
+    Goodbye {
+        /// Why, for humans.
+        reason: String,
+    },
+    /// The reply to the request numbered `seq`.
+    Reply {
+        /// The number of the request answered.
+        seq: Seq,
+        /// The reply.
+        reply: Reply,
+    },
+}
+
+/// The protocol version that introduced a message, so a sender can refuse to send it to an older
+/// peer (postcard cannot skip what it does not know).
+pub trait Since {
+    /// The message's name, for errors.
+    fn kind(&self) -> &'static str;
+    /// The version that introduced it.
+    fn since(&self) -> Version;
+}
+
+// Every message so far came with 1.0. A message added in 1.1 gets its own arm returning 1.1.
+const V1_0: Version = Version { major: 1, minor: 0 };
+const _: () = assert!(PROTOCOL_VERSION.major == V1_0.major);
+
+impl Since for HostMsg {
+    fn kind(&self) -> &'static str {
+        match self {
+            HostMsg::Handshake(_) => "Handshake",
+            HostMsg::Request { request, .. } => match request {
+                Request::MapRegion(_) => "MapRegion",
+                Request::Open(_) => "Open",
+                Request::Draft(_) => "Draft",
+                Request::Commit(_) => "Commit",
+                Request::Close(_) => "Close",
+                Request::Shutdown => "Shutdown",
+            },
+        }
+    }
+
+    fn since(&self) -> Version {
+        match self {
+            HostMsg::Handshake(_) => V1_0,
+            HostMsg::Request { request, .. } => match request {
+                Request::MapRegion(_)
+                | Request::Open(_)
+                | Request::Draft(_)
+                | Request::Commit(_)
+                | Request::Close(_)
+                | Request::Shutdown => V1_0,
+            },
+        }
+    }
+}
+
+impl Since for DrafterMsg {
+    fn kind(&self) -> &'static str {
+        match self {
+            DrafterMsg::Goodbye { .. } => "Goodbye",
+            DrafterMsg::Reply {
+                reply: Reply::Drafted(_),
+                ..
+            } => "Drafted",
+        }
+    }
+
+    fn since(&self) -> Version {
+        match self {
+            DrafterMsg::Goodbye { .. } | DrafterMsg::Reply { .. } => V1_0,
+        }
+    }
+}

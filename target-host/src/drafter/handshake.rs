@@ -1,0 +1,272 @@
+//! Spawning a drafter and shaking hands with it, under a deadline.
+//!
+//! ```text
+//! host                                   drafter
+//! spawn (env SPECULA_BOOTSTRAP=name)
+//!          ◀── Connect { Hello, sender }
+//! negotiate: no shared major → Refused { both versions }, error
+//! Welcome { version, TargetInfo } ──▶    accept_target? no → Goodbye { reason }
+//! MapRegion (when it wants taps) ──▶
+//! Draft { rows: [] } (seq 0)     ──▶     (an empty draft is a ping)
+//!          ◀── Drafted { seq 0 }         ready
+//! ```
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use ipc_channel::ipc::{IpcReceiver, IpcSender};
+use ipc_channel::TryRecvError;
+use specula_protocol::shm::ShmWriter;
+use specula_protocol::transport::{Accepted, Bootstrap, Sender};
+use specula_protocol::version::{self, PROTOCOL_VERSION};
+use specula_protocol::wire::{
+    Draft, DrafterMsg, HandshakeReply, Hello, HostMsg, MapRegion, Request, Seq, TargetInfo, Welcome,
+};
+use tracing::info;
+
+use super::process::{ChildGuard, DrafterSpec};
+use super::{ClientConfig, DrafterError};
+
+/// A drafter that completed the handshake.
+#[derive(Debug)]
+pub struct Connection {
+    /// The process (killed when the connection is dropped).
+    pub child: ChildGuard,
+    /// What the drafter said about itself.
+    pub hello: Hello,
+    /// Host → drafter, checked against the negotiated version.
+    pub tx: Sender<HostMsg>,
+    /// Drafter → host.
+    pub rx: IpcReceiver<DrafterMsg>,
+    /// Where taps are written, when the drafter wants any.
+    pub region: Option<ShmWriter>,
+    /// The next request's sequence number.
+    pub next_seq: Seq,
+}
+
+impl Connection {
+    /// Sends a request and returns its sequence number.
+    ///
+    /// # Errors
+    /// [`DrafterError::Protocol`] when the drafter is gone (or the message is too new for it).
+    pub fn send(&mut self, request: Request) -> Result<Seq, DrafterError> {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.tx
+            .send(HostMsg::Request { seq, request })
+            .map_err(|source| DrafterError::Protocol {
+                op: "send a request",
+                source,
+            })?;
+        Ok(seq)
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        // Ask politely first; the ChildGuard kills whatever is left.
+        if self.send(Request::Shutdown).is_ok() {
+            self.child.wait_for(Duration::from_millis(100));
+        }
+    }
+}
+
+/// Spawns the drafter and shakes hands within `config.handshake_timeout`.
+///
+/// # Errors
+/// Every way a drafter can fail to start, each with its own [`DrafterError`] variant.
+pub fn connect(
+    spec: &DrafterSpec,
+    target: &TargetInfo,
+    config: &ClientConfig,
+) -> Result<Connection, DrafterError> {
+    let path = spec.resolve()?;
+    let until = Instant::now() + config.handshake_timeout;
+    let bootstrap = Bootstrap::new().map_err(|source| DrafterError::Protocol {
+        op: "create the bootstrap socket",
+        source,
+    })?;
+    let name = bootstrap.name().to_string();
+    let mut child = ChildGuard::spawn(&path, &spec.args, &name)?;
+    let accepted = accept(bootstrap, &name, &mut child, until, config)?;
+    let hello = accepted.hello.clone();
+    let Some(version) = version::negotiate(&[PROTOCOL_VERSION], &hello.versions) else {
+        let err = DrafterError::VersionMismatch {
+            drafter: hello.name.clone(),
+            host: PROTOCOL_VERSION.to_string(),
+            theirs: version::list(&hello.versions),
+        };
+        refuse(&accepted, &err);
+        return Err(err);
+    };
+    if let Err(reason) = check_capabilities(&hello, target) {
+        let err = DrafterError::BadCapabilities {
+            drafter: hello.name.clone(),
+            reason,
+        };
+        refuse(&accepted, &err);
+        return Err(err);
+    }
+    let welcome = HandshakeReply::Welcome(Welcome {
+        version,
+        target: target.clone(),
+    });
+    accepted
+        .reply(&welcome)
+        .map_err(|source| DrafterError::Protocol {
+            op: "send Welcome",
+            source,
+        })?;
+    let region = match hello.capabilities.wants_activations() {
+        true => Some(ShmWriter::new(0, config.region_bytes).map_err(|source| {
+            DrafterError::Protocol {
+                op: "create the shared-memory region",
+                source,
+            }
+        })?),
+        false => None,
+    };
+    let mut conn = Connection {
+        child,
+        hello,
+        tx: Sender::new(accepted.to_drafter, version),
+        rx: accepted.from_drafter,
+        region,
+        next_seq: 0,
+    };
+    if let Some(region) = &conn.region {
+        let map = MapRegion {
+            region: region.id(),
+            shm: region.handle(),
+        };
+        conn.send(Request::MapRegion(map))?;
+    }
+    ping(&mut conn, until, config)?;
+    info!(
+        drafter = %conn.hello.name,
+        pid = conn.child.pid(),
+        %version,
+        "drafter ready"
+    );
+    Ok(conn)
+}
+
+fn refuse(accepted: &Accepted, err: &DrafterError) {
+    let reply = HandshakeReply::Refused {
+        reason: err.to_string(),
+    };
+    // The drafter may be gone already; the error is reported to our caller either way.
+    let _ = accepted.reply(&reply);
+}
+
+fn check_capabilities(hello: &Hello, target: &TargetInfo) -> Result<(), String> {
+    let caps = &hello.capabilities;
+    if caps.max_draft_len == 0 {
+        return Err("max_draft_len is 0".to_string());
+    }
+    let layers = caps.tap_layers.iter().chain(&caps.kv_layers);
+    if let Some(l) = layers.into_iter().find(|&&l| l >= target.num_layers) {
+        return Err(format!(
+            "asks for layer {l}, the target has {} layers",
+            target.num_layers
+        ));
+    }
+    Ok(())
+}
+
+/// Accepts the drafter's connection on a helper thread, watching the child and the deadline.
+fn accept(
+    bootstrap: Bootstrap,
+    name: &str,
+    child: &mut ChildGuard,
+    until: Instant,
+    config: &ClientConfig,
+) -> Result<Accepted, DrafterError> {
+    let (done_tx, done_rx) = mpsc::channel();
+    std::thread::Builder::new()
+        .name("drafter-accept".to_string())
+        .spawn(move || {
+            let _ = done_tx.send(bootstrap.accept());
+        })
+        .map_err(|source| DrafterError::Spawn {
+            path: child.path().to_path_buf(),
+            source,
+        })?;
+    // Unblocks the helper if it still waits for a connection: connect, then hang up. (If the
+    // child connected and went silent, killing the child unblocks it.)
+    let fail = |err: DrafterError| {
+        let _ = IpcSender::<()>::connect(name.to_string());
+        Err(err)
+    };
+    loop {
+        match done_rx.recv_timeout(Duration::from_millis(5)) {
+            Ok(Ok(accepted)) => return Ok(accepted),
+            Ok(Err(source)) => {
+                let status = child.wait_for(Duration::from_millis(200));
+                return match status {
+                    Some(status) => Err(exited(child, status.to_string())),
+                    None => Err(DrafterError::Protocol {
+                        op: "accept the drafter's Hello",
+                        source,
+                    }),
+                };
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                unreachable!("invariant: the accept thread always sends")
+            }
+        }
+        if let Some(status) = child.try_wait() {
+            // It may have connected just before exiting: give the helper one last look.
+            if let Ok(Ok(accepted)) = done_rx.recv_timeout(Duration::from_millis(20)) {
+                return Ok(accepted);
+            }
+            let err = exited(child, status.to_string());
+            return fail(err);
+        }
+        if Instant::now() >= until {
+            let err = DrafterError::HandshakeTimeout {
+                path: child.path().to_path_buf(),
+                after: config.handshake_timeout,
+            };
+            return fail(err);
+        }
+    }
+}
+
+fn exited(child: &mut ChildGuard, status: String) -> DrafterError {
+    DrafterError::ExitedDuringHandshake {
+        path: child.path().to_path_buf(),
+        status,
+        stderr: child.stderr_tail(),
+    }
+}
+
+/// Sends an empty draft and waits for its reply: the drafter accepted the target and serves.
+fn ping(conn: &mut Connection, until: Instant, config: &ClientConfig) -> Result<(), DrafterError> {
+    let seq = conn.send(Request::Draft(Draft { rows: Vec::new() }))?;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        match conn.rx.try_recv_timeout(left) {
+            Ok(DrafterMsg::Reply { seq: got, .. }) if got == seq => return Ok(()),
+            Ok(DrafterMsg::Reply { .. }) => continue,
+            Ok(DrafterMsg::Goodbye { reason }) => {
+                return Err(DrafterError::Refused {
+                    drafter: conn.hello.name.clone(),
+                    reason,
+                })
+            }
+            Err(TryRecvError::Empty) => {
+                return Err(DrafterError::HandshakeTimeout {
+                    path: conn.child.path().to_path_buf(),
+                    after: config.handshake_timeout,
+                })
+            }
+            Err(TryRecvError::IpcError(_)) => {
+                let status = conn.child.wait_for(Duration::from_millis(200));
+                let status = status.map_or("still running".to_string(), |s| s.to_string());
+                return Err(exited(&mut conn.child, status));
+            }
+        }
+    }
+}

@@ -1,0 +1,83 @@
+//! The `--drafter` command-line options shared by `generate` and `serve`.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use specula_models::loader::LoadedModel;
+use specula_models::tokenizer::Tokenizer;
+use specula_models::Model;
+use specula_protocol::wire::TargetInfo;
+
+use crate::drafter::{ClientConfig, DrafterClient, DrafterSpec};
+
+use crate::generation::Speculation;
+use crate::proposer::Proposer;
+
+/// Drafts per round when `--num-draft-tokens` is not given.
+pub const DEFAULT_NUM_DRAFT_TOKENS: usize = 4;
+
+/// Which drafter to run, and how.
+#[derive(Args, Debug, Clone, Default)]
+pub struct DrafterArgs {
+    /// Drafter executable: a path, or a bare name (`ngram`) resolved next to `target-host`.
+    #[arg(long)]
+    pub drafter: Option<String>,
+    /// An argument passed to the drafter (repeatable; use `--drafter-arg=--flag` for flags).
+    #[arg(long = "drafter-arg", allow_hyphen_values = true)]
+    pub drafter_args: Vec<String>,
+    /// Drafts per round (k).
+    #[arg(long, default_value_t = DEFAULT_NUM_DRAFT_TOKENS)]
+    pub num_draft_tokens: usize,
+    /// Decode without speculation even when a drafter is given.
+    #[arg(long)]
+    pub no_speculation: bool,
+    /// How long the host waits for a drafter's reply before verifying without drafts.
+    #[arg(long, default_value_t = 500)]
+    pub draft_deadline_ms: u64,
+}
+
+impl DrafterArgs {
+    /// The client deadlines these options ask for.
+    pub fn client_config(&self) -> ClientConfig {
+        ClientConfig {
+            draft_deadline: Duration::from_millis(self.draft_deadline_ms),
+            ..ClientConfig::default()
+        }
+    }
+
+    /// Spawns the drafter (when one is named and speculation is on) for the target `loaded`.
+    ///
+    /// # Errors
+    /// The drafter cannot be found, started or handshaken with.
+    pub fn start(&self, loaded: &LoadedModel) -> Result<(Option<Box<dyn Proposer>>, Speculation)> {
+        let Some(path) = self.drafter.as_ref().filter(|_| !self.no_speculation) else {
+            return Ok((None, Speculation::Off));
+        };
+        let spec = DrafterSpec::new(path).with_args(self.drafter_args.iter().cloned());
+        let target = target_info(&loaded.model, &loaded.tokenizer);
+        let client = DrafterClient::start(spec, target, self.client_config())
+            .with_context(|| format!("starting drafter {path}"))?;
+        let speculation = Speculation::On {
+            num_draft_tokens: self.num_draft_tokens.max(1),
+        };
+        Ok((Some(Box::new(client)), speculation))
+    }
+}
+
+/// What a drafter learns about the target in the handshake.
+pub fn target_info(model: &Model, tokenizer: &Tokenizer) -> TargetInfo {
+    let config = model.config();
+    TargetInfo {
+        architecture: config.model_type.clone(),
+        vocab_size: config.vocab_size as u32,
+        hidden_size: config.hidden_size as u32,
+        num_layers: config.num_hidden_layers as u32,
+        num_kv_heads: config.kv_heads() as u32,
+        head_dim: config.head_dim() as u32,
+        tokenizer_fingerprint: tokenizer.fingerprint().to_string(),
+        eos_ids: tokenizer.eos_ids().to_vec(),
+        weights_path: model.weights_path().display().to_string(),
+        context_len: model.context_len() as u32,
+    }
+}

@@ -1,0 +1,500 @@
+//! `target-host serve` end to end: the real binary on a free port, the real SmolLM2 model, and a
+//! tiny std-only HTTP/1.1 client (so the tests control every byte: bad JSON, huge bodies,
+//! disconnects mid-stream).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+/// A running server, killed on drop.
+struct Server {
+    child: Child,
+    addr: String,
+    log: Arc<Mutex<String>>,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Server {
+        let model = specula_tests::model_path("smollm2-135m");
+        let mut cmd = Command::new(specula_tests::bin_path("target-host"));
+        cmd.arg("serve").arg("--model").arg(&model).args(["--port", "0"]).args(extra);
+        let mut child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn target-host serve");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        {
+            let log = log.clone();
+            // Keep draining stderr for the server's whole life: a full pipe would block it.
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    if let Some(addr) = line.strip_prefix("listening on http://") {
+                        let _ = tx.send(addr.trim().to_string());
+                    }
+                    let mut log = log.lock().unwrap();
+                    log.push_str(&line);
+                    log.push('\n');
+                }
+            });
+        }
+        let addr = match rx.recv_timeout(Duration::from_secs(120)) {
+            Ok(addr) => addr,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("the server did not start:\n{}", log.lock().unwrap());
+            }
+        };
+        Server { child, addr, log }
+    }
+
+    fn get(&self, path: &str) -> Response {
+        request(&self.addr, "GET", path, &[], b"")
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Response {
+        request(&self.addr, "POST", path, &[], body.to_string().as_bytes())
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Response {
+    status: u16,
+    headers: String,
+    body: Vec<u8>,
+}
+
+impl Response {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// Asserts an OpenAI error body with `status`, returning `error`.
+    fn error(&self, status: u16) -> Value {
+        assert_eq!(self.status, status, "body: {}", self.text());
+        let v = self.json();
+        let e = &v["error"];
+        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+        assert!(e["type"].is_string() && e.get("param").is_some() && e["code"].is_string(), "{v}");
+        e.clone()
+    }
+}
+
+fn send(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> TcpStream {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str("\r\n");
+    s.write_all(head.as_bytes()).expect("send head");
+    // The server may answer (413) and close before reading a huge body: that is fine.
+    let _ = s.write_all(body);
+    s
+}
+
+fn request(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Response {
+    let mut raw = Vec::new();
+    let mut s = send(addr, method, path, headers, body);
+    // A reset after a complete early answer (413 before the body was read) still left it here.
+    let _ = s.read_to_end(&mut raw);
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no HTTP response: {:?}", String::from_utf8_lossy(&raw)));
+    let headers = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
+    let status = headers[9..12].parse().expect("status code");
+    let mut body = raw[split + 4..].to_vec();
+    if headers.contains("transfer-encoding: chunked") {
+        body = dechunk(&body);
+    }
+    Response { status, headers, body }
+}
+
+fn dechunk(mut raw: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(eol) = raw.windows(2).position(|w| w == b"\r\n") else { return out };
+        let size = usize::from_str_radix(std::str::from_utf8(&raw[..eol]).unwrap().trim(), 16).unwrap();
+        if size == 0 {
+            return out;
+        }
+        out.extend_from_slice(&raw[eol + 2..eol + 2 + size]);
+        raw = &raw[eol + 2 + size + 2..];
+    }
+}
+
+/// `data:` payloads of an SSE body, `[DONE]` included.
+fn sse_data(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect()
+}
+
+fn chat_body(content: &str, max_tokens: u32) -> Value {
+    json!({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0})
+}
+
+/// What `target-host generate --chat` prints for the same greedy request.
+fn generate_chat(content: &str, max_tokens: u32, extra: &[&str]) -> Value {
+    let model = specula_tests::model_path("smollm2-135m");
+    let out = Command::new(specula_tests::bin_path("target-host"))
+        .arg("generate")
+        .arg("--model")
+        .arg(&model)
+        .args(["--chat", content, "--max-tokens", &max_tokens.to_string(), "--json"])
+        .args(extra)
+        .output()
+        .expect("run target-host generate");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("generate --json output")
+}
+
+#[test]
+fn bad_inputs_get_openai_errors() {
+    let srv = Server::start(&[]);
+    let chat = "/v1/chat/completions";
+    let raw = |path: &str, body: &[u8]| request(&srv.addr, "POST", path, &[], body);
+
+    let e = raw(chat, b"{\"messages\": [").error(400);
+    assert_eq!(e["code"], "invalid_json");
+    let e = srv.post(chat, &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"})).error(400);
+    assert_eq!(e["param"], "max_tokens");
+    let e = srv.post(chat, &json!({"messages": "hi"})).error(400);
+    assert_eq!(e["param"], "messages");
+    let e = srv.post(chat, &json!({"max_tokens": 3})).error(400);
+    assert!(e["message"].as_str().unwrap().contains("messages"), "{e}");
+    let e = srv.post(chat, &json!({"messages": []})).error(400);
+    assert_eq!(e["param"], "messages");
+    for bad in [0, -5] {
+        let e = srv.post(chat, &chat_body("hi", 1).as_object().map(|o| {
+            let mut o = o.clone();
+            o.insert("max_tokens".into(), json!(bad));
+            Value::Object(o)
+        }).unwrap()).error(400);
+        assert_eq!(e["param"], "max_tokens", "{bad}");
+    }
+    let e = srv.post(chat, &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10_000_000})).error(400);
+    assert!(e["message"].as_str().unwrap().contains("context"), "{e}");
+    let e = srv.post(chat, &json!({"messages": [{"role": "user", "content": "hi"}], "n": 2})).error(400);
+    assert_eq!(e["param"], "n");
+    let e = srv.post(chat, &json!({"messages": [{"role": "user", "content": "hi"}], "temperature": -1})).error(400);
+    assert_eq!(e["param"], "temperature");
+    let e = srv.post(chat, &json!({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"})).error(404);
+    assert_eq!(e["code"], "model_not_found");
+    let e = srv.post(chat, &json!({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3})).error(400);
+    assert_eq!(e["param"], "top_logprobs");
+    let e = srv.post(chat, &json!({"messages": [{"role": "user", "content": "hi"}],
+        "speculative": {"num_draft_tokens": 0}})).error(400);
+    assert_eq!(e["param"], "speculative.num_draft_tokens");
+
+    // A prompt longer than the context (SmolLM2: 8192 tokens; each " hello" is one token).
+    let long = " hello".repeat(9000);
+    let e = srv.post("/v1/completions", &json!({"prompt": long, "max_tokens": 1})).error(400);
+    assert_eq!(e["code"], "context_length_exceeded");
+    let e = srv.post("/v1/completions", &json!({"prompt": "a", "logprobs": 50})).error(400);
+    assert_eq!(e["param"], "logprobs");
+    let e = srv.post("/v1/completions", &json!({"prompt": ["a", "b"]})).error(400);
+    assert_eq!(e["param"], "prompt");
+
+    // Over the 4 MiB body limit.
+    let huge = format!("{{\"prompt\": \"{}\"}}", "a".repeat(5 << 20));
+    raw("/v1/completions", huge.as_bytes()).error(413);
+
+    srv.get("/v1/nope").error(404);
+    request(&srv.addr, "DELETE", "/v1/models", &[], b"").error(405);
+    // The server survived all of it.
+    assert_eq!(srv.get("/health").status, 200);
+    let metrics = srv.get("/metrics").text();
+    assert!(metrics.contains("specula_requests_total{endpoint=\"chat\",status=\"400\"}"), "{metrics}");
+}
+
+#[test]
+fn health_models_and_metrics() {
+    let srv = Server::start(&[]);
+    let health = srv.get("/health").json();
+    assert_eq!(health["status"], "ok");
+    assert_eq!(health["queue_depth"], 0);
+    let models = srv.get("/v1/models").json();
+    assert_eq!(models["object"], "list");
+    let id = models["data"][0]["id"].as_str().unwrap().to_string();
+    assert_eq!(id, "smollm2-135m");
+    assert_eq!(models["data"][0]["object"], "model");
+
+    let mut body = chat_body("Say hello.", 8);
+    body["model"] = json!(id);
+    let r = srv.post("/v1/chat/completions", &body).json();
+    let usage = &r["usage"];
+    let completion_tokens = usage["completion_tokens"].as_u64().unwrap();
+    assert!(completion_tokens > 0 && completion_tokens <= 8, "{r}");
+    assert_eq!(
+        usage["total_tokens"].as_u64().unwrap(),
+        usage["prompt_tokens"].as_u64().unwrap() + completion_tokens
+    );
+    assert!(usage["speculative"]["drafted"].is_u64(), "{r}");
+
+    // The engine counts a request out just after its last event.
+    wait_until("the queue to drain", Duration::from_secs(10), || srv.get("/health").json()["queue_depth"] == 0);
+    let m = srv.get("/metrics");
+    assert!(m.headers.contains("content-type: text/plain"), "{}", m.headers);
+    let text = m.text();
+    let value = |series: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or_else(|| panic!("{series} missing:\n{text}"))
+    };
+    assert_eq!(value("specula_requests_total{endpoint=\"chat\",status=\"200\"}"), 1.0);
+    assert_eq!(value("specula_generation_tokens_total"), completion_tokens as f64);
+    assert_eq!(value("specula_prompt_tokens_total"), usage["prompt_tokens"].as_f64().unwrap());
+    assert_eq!(value("specula_queue_depth"), 0.0);
+    assert_eq!(value("specula_time_to_first_token_seconds_count"), 1.0);
+    for family in ["specula_drafter_round_trip_seconds", "specula_drafter_restarts_total", "specula_acceptance_rate"] {
+        assert!(text.contains(&format!("# TYPE {family} ")), "{family} missing:\n{text}");
+    }
+}
+
+#[test]
+fn greedy_chat_matches_generate_and_stream_matches_whole() {
+    let srv = Server::start(&[]);
+    let question = "What is the capital of France? Answer in one sentence.";
+    let expected = generate_chat(question, 24, &[]);
+    let whole = srv.post("/v1/chat/completions", &chat_body(question, 24)).json();
+    assert_eq!(whole["object"], "chat.completion");
+    assert!(whole["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    let choice = &whole["choices"][0];
+    assert_eq!(choice["index"], 0);
+    assert_eq!(choice["message"]["role"], "assistant");
+    let text = choice["message"]["content"].as_str().unwrap();
+    assert_eq!(text, expected["text"].as_str().unwrap());
+    assert_eq!(choice["finish_reason"], expected["finish_reason"]);
+
+    let mut body = chat_body(question, 24);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let r = srv.post("/v1/chat/completions", &body);
+    assert!(r.headers.contains("content-type: text/event-stream"), "{}", r.headers);
+    let events = sse_data(&r.text());
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0).and_then(|ch| ch["delta"]["content"].as_str()))
+        .collect();
+    assert_eq!(streamed, text);
+    let usage_chunk = chunks.last().unwrap();
+    assert_eq!(usage_chunk["choices"], json!([]));
+    assert_eq!(usage_chunk["usage"]["completion_tokens"], whole["usage"]["completion_tokens"]);
+    let finish = &chunks[chunks.len() - 2]["choices"][0];
+    assert_eq!(finish["finish_reason"], choice["finish_reason"]);
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk" && c["id"] == chunks[0]["id"]));
+
+    // Completions: the same rule for raw prompts, with logprobs.
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "logprobs": 2});
+    let whole = srv.post("/v1/completions", &body).json();
+    assert_eq!(whole["object"], "text_completion");
+    let text = whole["choices"][0]["text"].as_str().unwrap().to_string();
+    let lp = &whole["choices"][0]["logprobs"];
+    let n = lp["tokens"].as_array().unwrap().len();
+    assert_eq!(n as u64, whole["usage"]["completion_tokens"].as_u64().unwrap());
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
+    // Greedy: the chosen token is the most likely one.
+    let best = lp["top_logprobs"][0].as_object().unwrap().values().map(|v| v.as_f64().unwrap()).fold(f64::MIN, f64::max);
+    assert!((lp["token_logprobs"][0].as_f64().unwrap() - best).abs() < 1e-5, "{lp}");
+    let mut body = body;
+    body["stream"] = json!(true);
+    let events = sse_data(&srv.post("/v1/completions", &body).text());
+    let streamed: String = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .filter_map(|c| c["choices"].get(0).and_then(|ch| ch["text"].as_str()).map(str::to_string))
+        .collect();
+    assert_eq!(streamed, text);
+}
+
+#[test]
+fn stop_strings_end_the_text() {
+    let srv = Server::start(&[]);
+    let body = json!({"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 24, "temperature": 0});
+    let full = srv.post("/v1/completions", &body).json();
+    let text = full["choices"][0]["text"].as_str().unwrap().to_string();
+    let cut = text.find(" 1").or_else(|| text.find('1')).expect("the count goes on past 9");
+    let stop = &text[cut..cut + 2.min(text.len() - cut)];
+    for stop_field in [json!(stop), json!(["never-generated", stop])] {
+        let mut b = body.clone();
+        b["stop"] = stop_field;
+        let r = srv.post("/v1/completions", &b).json();
+        assert_eq!(r["choices"][0]["text"].as_str().unwrap(), &text[..cut], "stop {stop:?}");
+        assert_eq!(r["choices"][0]["finish_reason"], "stop");
+        b["stream"] = json!(true);
+        let events = sse_data(&srv.post("/v1/completions", &b).text());
+        let streamed: String = events[..events.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str::<Value>(e).unwrap())
+            .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_string))
+            .collect();
+        assert_eq!(streamed, &text[..cut], "a stream never shows the stop string");
+    }
+}
+
+fn wait_until(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !ok() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn disconnect_cancels_generation() {
+    let srv = Server::start(&[]);
+    // Counting goes on for far longer than the test waits.
+    let counting = |stream: bool| json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 2000, "temperature": 0, "stream": stream});
+    let body = counting(true);
+    let s = send(&srv.addr, "POST", "/v1/completions", &[], body.to_string().as_bytes());
+    let mut reader = BufReader::new(s);
+    let mut seen = 0;
+    let mut line = String::new();
+    while seen < 3 {
+        line.clear();
+        assert!(reader.read_line(&mut line).unwrap() > 0, "stream ended early");
+        if line.starts_with("data: ") {
+            seen += 1;
+        }
+    }
+    assert_eq!(srv.get("/health").json()["queue_depth"], 1);
+    let s = reader.into_inner();
+    s.shutdown(Shutdown::Both).unwrap();
+    drop(s);
+    wait_until("the queue to drain", Duration::from_secs(30), || {
+        srv.get("/health").json()["queue_depth"] == 0
+    });
+    let metrics = srv.get("/metrics").text();
+    assert!(metrics.contains("specula_cancelled_requests_total 1\n"), "{metrics}");
+
+    // A non-streamed request is cancelled the same way when its client goes away.
+    let s = send(&srv.addr, "POST", "/v1/completions", &[], counting(false).to_string().as_bytes());
+    wait_until("the request to start", Duration::from_secs(30), || srv.get("/health").json()["queue_depth"] == 1);
+    s.shutdown(Shutdown::Both).unwrap();
+    drop(s);
+    wait_until("the second queue to drain", Duration::from_secs(60), || {
+        srv.get("/health").json()["queue_depth"] == 0
+    });
+}
+
+#[test]
+fn admin_requires_the_token() {
+    let srv = Server::start(&["--admin-token", "s3cret"]);
+    let list = "/admin/drafters";
+    let e = srv.get(list).error(401);
+    assert_eq!(e["type"], "authentication_error");
+    request(&srv.addr, "GET", list, &[("Authorization", "Bearer wrong")], b"").error(401);
+    let r = request(&srv.addr, "GET", list, &[("Authorization", "Bearer s3cret")], b"");
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.json()["drafters"].is_array());
+    request(&srv.addr, "DELETE", "/admin/drafters/current", &[], b"").error(401);
+    // The public API needs no token.
+    assert_eq!(srv.get("/v1/models").status, 200);
+
+    let open = Server::start(&["--host", "0.0.0.0"]);
+    let port = open.addr.rsplit(':').next().unwrap();
+    let local = format!("127.0.0.1:{port}");
+    let e = request(&local, "GET", list, &[], b"").error(403);
+    assert_eq!(e["code"], "admin_disabled");
+    assert_eq!(request(&local, "GET", "/health", &[], b"").status, 200);
+}
+
+#[test]
+fn failed_drafter_install_keeps_serving() {
+    let srv = Server::start(&[]);
+    let e = srv.post("/admin/drafters", &json!({"path": "/nonexistent/drafter"})).error(422);
+    assert!(e["message"].as_str().unwrap().contains("/nonexistent/drafter"), "{e}");
+    let e = srv.post("/admin/drafters", &json!({"path": 7})).error(400);
+    assert_eq!(e["param"], "path");
+    let r = srv.post("/v1/chat/completions", &chat_body("hi", 4));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let list = srv.get("/admin/drafters").json();
+    assert_eq!(list["current"], Value::Null);
+}
+
+/// Streams a long greedy request while the drafter is swapped ngram → echo → none → ngram and
+/// the current drafter is SIGKILLed: the text equals plain greedy decoding.
+#[test]
+fn hot_swap_mid_stream_keeps_the_output() {
+    let question = "List the numbers from 1 to 300, separated by commas.";
+    let tokens = 600;
+    let plain = generate_chat(question, tokens, &["--no-speculation"]);
+    let ngram = specula_tests::bin_path("ngram");
+    let echo = specula_tests::bin_path("echo-drafter");
+    let srv = Server::start(&["--drafter", ngram.to_str().unwrap(), "--num-draft-tokens", "4"]);
+
+    let mut body = chat_body(question, tokens);
+    body["stream"] = json!(true);
+    let s = send(&srv.addr, "POST", "/v1/chat/completions", &[], body.to_string().as_bytes());
+    let stream = std::thread::spawn(move || {
+        let mut raw = String::new();
+        BufReader::new(s).read_to_string(&mut raw).unwrap();
+        raw
+    });
+    let admin = |method: &str, path: &str, body: Option<Value>| {
+        let b = body.map(|b| b.to_string()).unwrap_or_default();
+        let r = request(&srv.addr, method, path, &[], b.as_bytes());
+        assert!(r.status < 300, "{method} {path}: {} {}", r.status, r.text());
+        r.json()
+    };
+    wait_until("the stream to start", Duration::from_secs(30), || srv.get("/health").json()["queue_depth"] == 1);
+    let steps = [
+        ("POST", Some(json!({"path": echo}))),
+        ("DELETE", None),
+        ("POST", Some(json!({"path": ngram}))),
+    ];
+    for (method, body) in steps {
+        std::thread::sleep(Duration::from_millis(300));
+        let path = if method == "DELETE" { "/admin/drafters/current" } else { "/admin/drafters" };
+        admin(method, path, body);
+    }
+    assert_eq!(srv.get("/health").json()["queue_depth"], 1, "the swaps happened mid-stream");
+    let list = admin("GET", "/admin/drafters", None);
+    let current = list["drafters"].as_array().unwrap().iter().find(|d| d["current"] == true).cloned();
+    let pid = current.and_then(|d| d["pid"].as_u64()).expect("the current drafter has a pid");
+    let killed = Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
+    assert!(killed.success());
+
+    let raw = stream.join().unwrap();
+    let events = sse_data(&raw);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{raw}\n{}", srv.log());
+    let text: String = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(text, plain["text"].as_str().unwrap());
+    let names: Vec<&str> = list["drafters"].as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap()).collect();
+    assert_eq!(names.len(), 3, "ngram, echo, ngram: {list}");
+}
