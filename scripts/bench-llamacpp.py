@@ -140,6 +140,11 @@ def bench_model(name: str, runs: int, threads: int, max_tokens: int, echo_tokens
         "echo_lookup_tok_s": round(lookup_tps, 2),
         "echo_lookup_speedup": round(lookup_tps / echo_tps, 2),
         "echo_lookup_same_output": lookup_ids == echo_ids,
+        # llama.cpp's batched (verify) and single-token kernels round differently, so its greedy
+        # output can flip at a near-tie: where the two outputs first differ, if they do.
+        "echo_first_divergence": next((i for i, (a, b) in enumerate(zip(lookup_ids, echo_ids)) if a != b), None),
+        # ggml threads spin at barriers: on an oversubscribed CPU the numbers collapse, so keep the load.
+        "loadavg_1m_after": round(os.getloadavg()[0], 2),
     }
 
 
@@ -156,6 +161,7 @@ def main() -> int:
         ap.error("--runs must be >= 1, --max-tokens and --echo-tokens >= 2")
 
     rows = []
+    load_before = os.getloadavg()[0]
     for name in args.models.split(","):
         t0 = time.time()
         rows.append(bench_model(name.strip(), args.runs, args.threads, args.max_tokens, args.echo_tokens))
@@ -172,6 +178,8 @@ def main() -> int:
         "tool": "llama-cpp-python " + llama_cpp.__version__,
         "threads": args.threads,
         "runs": args.runs,
+        "loadavg_1m_before": round(load_before, 2),
+        "cpu_count": os.cpu_count(),
         "decode_prompt": DECODE_PROMPT,
         "echo_request": ECHO_REQUEST,
         "results": rows,

@@ -1,1 +1,462 @@
-//! (in progress)
+//! Drafter processes through the host-side client, without a model: the real `ngram`,
+//! `echo-drafter`, `chaos-drafter` and `mini-host` binaries, a fake target, real processes, real
+//! ipc channels and shared memory. (Build them first: `cargo build -p ngram -p echo-drafter
+//! -p specula-tests`.)
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use specula_models::sampling::SamplingParams;
+use specula_protocol::wire::TargetInfo;
+use specula_tests::bin_path;
+use target_host::drafter::{ClientConfig, DrafterClient, DrafterError, DrafterSpec, DrafterState};
+use target_host::proposer::{Proposer, TapRows, Verdict};
+
+const VOCAB: u32 = 1000;
+
+fn target() -> TargetInfo {
+    TargetInfo {
+        architecture: "fake".into(),
+        vocab_size: VOCAB,
+        hidden_size: 8,
+        num_layers: 4,
+        num_kv_heads: 2,
+        head_dim: 4,
+        tokenizer_fingerprint: "fake".into(),
+        eos_ids: vec![0],
+        weights_path: String::new(),
+        context_len: 4096,
+    }
+}
+
+fn start(bin: &str, args: &[&str], config: ClientConfig) -> Result<DrafterClient, DrafterError> {
+    let spec = DrafterSpec::new(bin_path(bin)).with_args(args.iter().copied());
+    DrafterClient::start(spec, target(), config)
+}
+
+fn chaos(mode: &str, extra: &[&str], config: ClientConfig) -> Result<DrafterClient, DrafterError> {
+    let args: Vec<&str> = ["--mode", mode].iter().chain(extra).copied().collect();
+    start("chaos-drafter", &args, config)
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams::default()
+}
+
+fn verdict<'a>(drafted: usize, accepted: usize, committed: &'a [u32]) -> Verdict<'a> {
+    Verdict {
+        drafted,
+        accepted,
+        committed,
+        taps: None,
+    }
+}
+
+fn wait_ready(client: &mut DrafterClient) {
+    let until = Instant::now() + Duration::from_secs(10);
+    while client.poll() != DrafterState::Ready {
+        assert!(Instant::now() < until, "no respawn: {:?}", client.state());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn kill9(pid: u32) {
+    let ok = Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+}
+
+#[test]
+fn ngram_drafts_the_continuation_across_the_process_boundary() {
+    let mut c = start(
+        "ngram",
+        &["--min-ngram", "2", "--max-ngram", "3"],
+        ClientConfig::default(),
+    )
+    .unwrap();
+    assert_eq!(c.name(), "ngram");
+    assert_eq!(c.state(), DrafterState::Ready);
+    // "10 11 12 13 14 … 10 11": the suffix "10 11" was followed by "12 13 14".
+    c.open(7, &[10, 11, 12, 13, 14, 99, 10, 11], &greedy(), None);
+    assert_eq!(c.draft(7, &[], 3).tokens, vec![12, 13, 14]);
+    // The target accepted 12 and then produced 50: "11 12 50" has no match, "12 50" neither.
+    c.verdict(7, &verdict(3, 1, &[12, 50]));
+    assert!(c.draft(7, &[], 3).tokens.is_empty());
+    // Tokens decoded without the drafter reach it through `new_tokens`: "… 10 11" again, whose
+    // latest occurrence (after 99) was followed by the committed "12 50".
+    assert_eq!(c.draft(7, &[10, 11], 2).tokens, vec![12, 50]);
+    c.close(7);
+    assert!(c.draft(7, &[], 3).tokens.is_empty(), "closed session");
+    let stats = c.stats();
+    assert_eq!((stats.requests, stats.drafted, stats.accepted), (3, 5, 1));
+    assert_eq!(stats.rtt_us.len(), 3);
+    assert_eq!(stats.deadline_misses + stats.discarded + stats.restarts, 0);
+}
+
+#[test]
+fn example_drafter_written_against_the_sdk_serves() {
+    let mut c = start("echo-drafter", &[], ClientConfig::default()).unwrap();
+    assert_eq!(c.name(), "echo");
+    c.open(1, &[3, 4, 5], &greedy(), None);
+    assert_eq!(c.draft(1, &[], 2).tokens, vec![5, 5]);
+    c.verdict(1, &verdict(2, 0, &[9]));
+    // The SDK caps the draft at the drafter's max_draft_len (4), whatever the host asks.
+    assert_eq!(c.draft(1, &[], 10).tokens, vec![9; 4]);
+}
+
+#[test]
+fn wrong_major_is_refused_naming_both_versions() {
+    let err = chaos("wrong-major", &[], ClientConfig::default()).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(err, DrafterError::VersionMismatch { .. }),
+        "{text}"
+    );
+    assert!(text.contains("2.0") && text.contains("1.0"), "{text}");
+}
+
+#[test]
+fn drafter_that_refuses_the_target_is_reported() {
+    let err = chaos("refuse-target", &[], ClientConfig::default()).unwrap_err();
+    assert!(
+        matches!(&err, DrafterError::Refused { reason, .. } if reason.contains("refuses every target")),
+        "{err}"
+    );
+}
+
+#[test]
+fn missing_and_non_executable_paths_are_clear_errors() {
+    let missing = DrafterSpec::new("/nonexistent/drafter");
+    let err = DrafterClient::start(missing, target(), ClientConfig::default()).unwrap_err();
+    assert!(matches!(err, DrafterError::NotFound { .. }), "{err}");
+    assert!(err.to_string().contains("/nonexistent/drafter"));
+    // A bare name resolves next to the running executable, where no such drafter exists.
+    let bare = DrafterSpec::new("no-such-drafter");
+    let err = DrafterClient::start(bare, target(), ClientConfig::default()).unwrap_err();
+    assert!(matches!(err, DrafterError::NotFound { .. }), "{err}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("drafter.sh");
+    std::fs::write(&file, "#!/bin/sh\n").unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    for path in [file.as_path(), dir.path()] {
+        let err = DrafterClient::start(DrafterSpec::new(path), target(), ClientConfig::default())
+            .unwrap_err();
+        assert!(matches!(err, DrafterError::NotExecutable { .. }), "{err}");
+    }
+}
+
+#[test]
+fn drafter_exiting_during_handshake_shows_its_stderr() {
+    let err = chaos("no-such-mode", &[], ClientConfig::default()).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(err, DrafterError::ExitedDuringHandshake { .. }),
+        "{text}"
+    );
+    assert!(text.contains("--mode must be one of"), "{text}");
+}
+
+#[test]
+fn silent_drafter_times_out_the_handshake() {
+    let config = ClientConfig {
+        handshake_timeout: Duration::from_millis(300),
+        ..ClientConfig::default()
+    };
+    let spec = DrafterSpec::new("/bin/sleep").with_args(["30"]);
+    let t0 = Instant::now();
+    let err = DrafterClient::start(spec, target(), config).unwrap_err();
+    assert!(
+        matches!(err, DrafterError::HandshakeTimeout { .. }),
+        "{err}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+}
+
+#[test]
+fn sigkilled_drafter_is_respawned_and_sessions_reopened() {
+    let config = ClientConfig::default();
+    let mut c = start("ngram", &[], config).unwrap();
+    c.open(1, &[20, 21, 22, 23, 24, 20, 21], &greedy(), None);
+    assert_eq!(c.draft(1, &[], 2).tokens, vec![22, 23]);
+    c.verdict(1, &verdict(2, 2, &[22, 23, 24]));
+    let pid = c.pid().unwrap();
+    kill9(pid);
+    // The request goes on without drafts while the drafter is down.
+    assert!(c.draft(1, &[], 2).tokens.is_empty());
+    assert_ne!(c.state(), DrafterState::Ready);
+    wait_ready(&mut c);
+    assert_ne!(c.pid(), Some(pid));
+    assert_eq!(c.stats().restarts, 1);
+    // The new process got the whole context: "… 22 23 24" + "20 21" → "22 23".
+    assert_eq!(c.draft(1, &[20, 21], 2).tokens, vec![22, 23]);
+}
+
+#[test]
+fn deadline_miss_gives_an_empty_draft_and_the_late_reply_is_dropped() {
+    let config = ClientConfig {
+        draft_deadline: Duration::from_millis(50),
+        ..ClientConfig::default()
+    };
+    let mut c = chaos("sleep-past-deadline", &["--sleep-ms", "150"], config).unwrap();
+    c.open(1, &[1, 2, 3], &greedy(), None);
+    let t0 = Instant::now();
+    assert!(c.draft(1, &[], 4).tokens.is_empty());
+    assert!(
+        t0.elapsed() < Duration::from_millis(140),
+        "waited {:?}",
+        t0.elapsed()
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    // The first reply arrives now, with the old sequence number: dropped, not used as this one.
+    assert!(c.draft(1, &[], 4).tokens.is_empty());
+    let stats = c.stats();
+    assert_eq!((stats.deadline_misses, stats.late_replies), (2, 1));
+    assert_eq!(stats.drafted, 0);
+    assert_eq!(
+        c.state(),
+        DrafterState::Ready,
+        "slowness alone is not a restart"
+    );
+}
+
+#[test]
+fn invalid_replies_are_discarded_and_a_repeat_offender_restarted() {
+    for mode in ["oov-ids", "too-many", "nan-q"] {
+        let config = ClientConfig {
+            max_bad_replies: 3,
+            ..ClientConfig::default()
+        };
+        let mut c = chaos(mode, &[], config).unwrap();
+        c.open(1, &[1, 2, 3], &greedy(), None);
+        for round in 0..3 {
+            assert!(c.draft(1, &[], 4).tokens.is_empty(), "{mode} round {round}");
+        }
+        assert_eq!(c.stats().discarded, 3, "{mode}");
+        assert_eq!(
+            c.state(),
+            DrafterState::Backoff,
+            "{mode}: restarted after 3 bad replies"
+        );
+        wait_ready(&mut c);
+        assert_eq!(c.stats().restarts, 1, "{mode}");
+    }
+}
+
+#[test]
+fn random_valid_ids_pass_validation() {
+    let mut c = chaos("random-ids", &[], ClientConfig::default()).unwrap();
+    c.open(1, &[1], &greedy(), None);
+    for _ in 0..20 {
+        let d = c.draft(1, &[], 5);
+        assert_eq!(d.tokens.len(), 5);
+        assert!(d.tokens.iter().all(|&id| id < VOCAB));
+    }
+    assert_eq!(c.stats().discarded, 0);
+}
+
+#[test]
+fn drafter_exiting_mid_request_is_respawned() {
+    let mut c = chaos(
+        "exit-mid-request",
+        &["--after", "1"],
+        ClientConfig::default(),
+    )
+    .unwrap();
+    c.open(1, &[1, 2], &greedy(), None);
+    assert_eq!(c.draft(1, &[], 3).tokens.len(), 3);
+    assert!(
+        c.draft(1, &[], 3).tokens.is_empty(),
+        "it exits during this request"
+    );
+    assert_eq!(c.state(), DrafterState::Backoff);
+    wait_ready(&mut c);
+    assert_eq!(c.draft(1, &[], 3).tokens.len(), 3);
+}
+
+/// FNV-1a over the f32 bits, in the order the chaos drafter reads them.
+fn checksum(taps: &TapRows) -> u64 {
+    let tensors = taps
+        .layers
+        .iter()
+        .chain(&taps.final_hidden)
+        .chain(taps.kv.iter().flat_map(|(k, v)| [k, v]));
+    tensors.flatten().fold(0xcbf2_9ce4_8422_2325, |h, x| {
+        (h ^ u64::from(x.to_bits())).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn tap_rows(pos: usize, rows: usize, salt: f32) -> TapRows {
+    let t = target();
+    let (hidden, kv) = (
+        t.hidden_size as usize,
+        (t.num_kv_heads * t.head_dim) as usize,
+    );
+    let fill = |n: usize, k: f32| (0..n).map(|i| (i as f32 * 0.37 + k + salt).sin()).collect();
+    TapRows {
+        pos,
+        rows,
+        layers: vec![fill(rows * hidden, 1.0), fill(rows * hidden, 2.0)],
+        final_hidden: Some(fill(rows * hidden, 3.0)),
+        kv: vec![(fill(rows * kv, 4.0), fill(rows * kv, 5.0))],
+    }
+}
+
+#[test]
+fn taps_reach_the_drafter_bit_for_bit_through_shared_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("taps.log");
+    let mut c = chaos(
+        "taps-check",
+        &["--out", out.to_str().unwrap()],
+        ClientConfig::default(),
+    )
+    .unwrap();
+    let wants = c.wants();
+    assert_eq!(
+        (wants.tap_layers, wants.final_hidden, wants.kv_layers),
+        (vec![0, 1], true, vec![1])
+    );
+    let prompt = tap_rows(0, 5, 0.0);
+    c.open(3, &[1, 2, 3, 4, 5, 6], &greedy(), Some(&prompt));
+    let mut expect = vec![format!("open 3 5 {}", checksum(&prompt))];
+    for round in 0..20 {
+        let taps = tap_rows(6 + round, 3, round as f32);
+        c.draft(3, &[], 2);
+        let v = Verdict {
+            drafted: 2,
+            accepted: 2,
+            committed: &[7, 8, 9],
+            taps: Some(&taps),
+        };
+        c.verdict(3, &v);
+        expect.push(format!("commit 3 3 {}", checksum(&taps)));
+    }
+    // A draft round trip orders every earlier message before it: the log is complete.
+    c.draft(3, &[], 1);
+    let got = std::fs::read_to_string(&out).unwrap();
+    assert_eq!(got.lines().collect::<Vec<_>>(), expect);
+}
+
+fn dev_shm() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+fn alive(pid: u32) -> bool {
+    // A reaped process is gone; an unreaped one is a zombie ('Z'): neither holds resources.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z'),
+        Err(_) => false,
+    }
+}
+
+#[test]
+fn sigkill_of_the_drafter_leaks_no_fds_or_shm_on_the_host() {
+    let shm_before = dev_shm();
+    // In its own process, so other tests' files do not blur the fd count.
+    let out = Command::new(bin_path("mini-host"))
+        .args([
+            "kill-drafter",
+            bin_path("chaos-drafter").to_str().unwrap(),
+            "--mode",
+            "taps-check",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let fds: Vec<usize> = stdout
+        .trim()
+        .strip_prefix("fds ")
+        .unwrap_or_else(|| panic!("unexpected output {stdout:?}"))
+        .split(' ')
+        .map(|n| n.parse().unwrap())
+        .collect();
+    assert_eq!(fds[0], fds[1], "fds before/after");
+    assert_eq!(dev_shm(), shm_before);
+}
+
+#[test]
+fn sigkill_of_the_host_ends_the_drafter() {
+    let shm_before = dev_shm();
+    let mut host = Command::new(bin_path("mini-host"))
+        .args([
+            "wait",
+            bin_path("chaos-drafter").to_str().unwrap(),
+            "--mode",
+            "taps-check",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(host.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let pid: u32 = line.trim().strip_prefix("pid ").unwrap().parse().unwrap();
+    assert!(alive(pid));
+    host.kill().unwrap(); // SIGKILL
+    host.wait().unwrap();
+    let until = Instant::now() + Duration::from_secs(5);
+    while alive(pid) {
+        assert!(Instant::now() < until, "drafter {pid} outlived its host");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(dev_shm(), shm_before);
+}
+
+#[test]
+fn in_process_ngram_drafts_exactly_what_its_process_drafts() {
+    use ngram::{NgramConfig, NgramDrafter};
+    use target_host::drafter::InProcess;
+
+    let mut process = start("ngram", &["--max-draft", "6"], ClientConfig::default()).unwrap();
+    let mut local = InProcess::new(NgramDrafter::new(NgramConfig::default(), 6));
+    assert_eq!(local.name(), process.name());
+    let prompt: Vec<u32> = (0..300u32).map(|i| (i * 7 + i / 13) % 23).collect();
+    process.open(1, &prompt, &greedy(), None);
+    local.open(1, &prompt, &greedy(), None);
+    let mut drafted = 0;
+    for round in 0..100u32 {
+        let (a, b) = (process.draft(1, &[], 8), local.draft(1, &[], 8));
+        assert_eq!(a, b, "round {round}");
+        drafted += a.tokens.len();
+        // Accept the first draft when there is one, then a "target" token.
+        let committed: Vec<u32> = a
+            .tokens
+            .iter()
+            .take(1)
+            .copied()
+            .chain([round % 23])
+            .collect();
+        let v = verdict(a.tokens.len(), committed.len() - 1, &committed);
+        process.verdict(1, &v);
+        local.verdict(1, &v);
+    }
+    assert!(
+        drafted > 100,
+        "the prompt is repetitive: drafts expected, got {drafted}"
+    );
+}

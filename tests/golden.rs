@@ -60,7 +60,9 @@ fn ids(v: &Value, key: &str, ctx: &str) -> Vec<u32> {
     array(v, key, ctx)
         .iter()
         .map(|x| {
-            let n = x.as_u64().unwrap_or_else(|| panic!("{ctx}: `{key}` holds a non-id {x}"));
+            let n = x
+                .as_u64()
+                .unwrap_or_else(|| panic!("{ctx}: `{key}` holds a non-id {x}"));
             u32::try_from(n).unwrap_or_else(|_| panic!("{ctx}: `{key}` id {n} overflows u32"))
         })
         .collect()
@@ -69,7 +71,11 @@ fn ids(v: &Value, key: &str, ctx: &str) -> Vec<u32> {
 fn floats(v: &Value, key: &str, ctx: &str) -> Vec<f32> {
     array(v, key, ctx)
         .iter()
-        .map(|x| x.as_f64().unwrap_or_else(|| panic!("{ctx}: `{key}` holds a non-number {x}")) as f32)
+        .map(|x| {
+            x.as_f64()
+                .unwrap_or_else(|| panic!("{ctx}: `{key}` holds a non-number {x}"))
+                as f32
+        })
         .collect()
 }
 
@@ -81,7 +87,10 @@ fn fetch_model_sha(name: &str) -> String {
         .lines()
         .find(|l| l.trim_start().starts_with(&format!("{name})")))
         .unwrap_or_else(|| panic!("scripts/fetch-model has no case for {name}"));
-    let sha = line.split("sha=").nth(1).expect("fetch-model case sets sha=");
+    let sha = line
+        .split("sha=")
+        .nth(1)
+        .expect("fetch-model case sets sha=");
     sha.split(';').next().unwrap_or(sha).trim().to_string()
 }
 
@@ -89,7 +98,8 @@ fn fetch_model_sha(name: &str) -> String {
 fn fixture(name: &str) -> Fixture {
     let path = workspace_root().join(format!("tests/fixtures/golden/{name}.json"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let json: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let json: Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     assert_eq!(json["model"], name, "{}: wrong model", path.display());
     // The fixture must come from the very GGUF the tests load, or a mismatch means nothing.
     assert_eq!(
@@ -118,7 +128,11 @@ fn fixture(name: &str) -> Fixture {
             prompt
         })
         .collect();
-    assert!(prompts.len() >= 5, "{}: fewer than 5 prompts", path.display());
+    assert!(
+        prompts.len() >= 5,
+        "{}: fewer than 5 prompts",
+        path.display()
+    );
     Fixture { prompts }
 }
 
@@ -143,13 +157,20 @@ fn argmax(row: &[f32]) -> u32 {
 }
 
 /// Logits rows `[last_k, vocab]` of one forward.
-fn forward_rows(model: &Model, tokens: &[u32], cache: &mut specula_models::KvCache, last_k: usize) -> Vec<Vec<f32>> {
+fn forward_rows(
+    model: &Model,
+    tokens: &[u32],
+    cache: &mut specula_models::KvCache,
+    last_k: usize,
+) -> Vec<Vec<f32>> {
     let req = ForwardRequest {
         last_k,
         ..Default::default()
     };
     let out = model.forward(tokens, cache, &req).expect("forward");
-    out.logits.to_vec2::<f32>().expect("logits are [last_k, vocab] f32")
+    out.logits
+        .to_vec2::<f32>()
+        .expect("logits are [last_k, vocab] f32")
 }
 
 /// Greedy-decodes every prompt in f32 through the KV cache (prefill once, then one token at a
@@ -174,7 +195,9 @@ fn check_f32(name: &str) {
                     row[want as usize],
                     p.greedy_ids,
                 );
-                println!("{name} prompt {i}: near-tie at step {step} (gap {gap}), rest not compared");
+                println!(
+                    "{name} prompt {i}: near-tie at step {step} (gap {gap}), rest not compared"
+                );
                 break;
             }
             let diff = (row[want as usize] - p.top1_logit[step]).abs();

@@ -21,7 +21,11 @@ impl Server {
     fn start(extra: &[&str]) -> Server {
         let model = specula_tests::model_path("smollm2-135m");
         let mut cmd = Command::new(specula_tests::bin_path("target-host"));
-        cmd.arg("serve").arg("--model").arg(&model).args(["--port", "0"]).args(extra);
+        cmd.arg("serve")
+            .arg("--model")
+            .arg(&model)
+            .args(["--port", "0"])
+            .args(extra);
         let mut child = cmd
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -96,7 +100,10 @@ impl Response {
         let v = self.json();
         let e = &v["error"];
         assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
-        assert!(e["type"].is_string() && e.get("param").is_some() && e["code"].is_string(), "{v}");
+        assert!(
+            e["type"].is_string() && e.get("param").is_some() && e["code"].is_string(),
+            "{v}"
+        );
         e.clone()
     }
 }
@@ -118,7 +125,13 @@ fn send(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &[
     s
 }
 
-fn request(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Response {
+fn request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Response {
     let mut raw = Vec::new();
     let mut s = send(addr, method, path, headers, body);
     // A reset after a complete early answer (413 before the body was read) still left it here.
@@ -133,14 +146,21 @@ fn request(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body:
     if headers.contains("transfer-encoding: chunked") {
         body = dechunk(&body);
     }
-    Response { status, headers, body }
+    Response {
+        status,
+        headers,
+        body,
+    }
 }
 
 fn dechunk(mut raw: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
     loop {
-        let Some(eol) = raw.windows(2).position(|w| w == b"\r\n") else { return out };
-        let size = usize::from_str_radix(std::str::from_utf8(&raw[..eol]).unwrap().trim(), 16).unwrap();
+        let Some(eol) = raw.windows(2).position(|w| w == b"\r\n") else {
+            return out;
+        };
+        let size =
+            usize::from_str_radix(std::str::from_utf8(&raw[..eol]).unwrap().trim(), 16).unwrap();
         if size == 0 {
             return out;
         }
@@ -168,11 +188,21 @@ fn generate_chat(content: &str, max_tokens: u32, extra: &[&str]) -> Value {
         .arg("generate")
         .arg("--model")
         .arg(&model)
-        .args(["--chat", content, "--max-tokens", &max_tokens.to_string(), "--json"])
+        .args([
+            "--chat",
+            content,
+            "--max-tokens",
+            &max_tokens.to_string(),
+            "--json",
+        ])
         .args(extra)
         .output()
         .expect("run target-host generate");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     serde_json::from_slice(&out.stdout).expect("generate --json output")
 }
 
@@ -184,7 +214,12 @@ fn bad_inputs_get_openai_errors() {
 
     let e = raw(chat, b"{\"messages\": [").error(400);
     assert_eq!(e["code"], "invalid_json");
-    let e = srv.post(chat, &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"})).error(400);
+    let e = srv
+        .post(
+            chat,
+            &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}),
+        )
+        .error(400);
     assert_eq!(e["param"], "max_tokens");
     let e = srv.post(chat, &json!({"messages": "hi"})).error(400);
     assert_eq!(e["param"], "messages");
@@ -193,34 +228,78 @@ fn bad_inputs_get_openai_errors() {
     let e = srv.post(chat, &json!({"messages": []})).error(400);
     assert_eq!(e["param"], "messages");
     for bad in [0, -5] {
-        let e = srv.post(chat, &chat_body("hi", 1).as_object().map(|o| {
-            let mut o = o.clone();
-            o.insert("max_tokens".into(), json!(bad));
-            Value::Object(o)
-        }).unwrap()).error(400);
+        let e = srv
+            .post(
+                chat,
+                &chat_body("hi", 1)
+                    .as_object()
+                    .map(|o| {
+                        let mut o = o.clone();
+                        o.insert("max_tokens".into(), json!(bad));
+                        Value::Object(o)
+                    })
+                    .unwrap(),
+            )
+            .error(400);
         assert_eq!(e["param"], "max_tokens", "{bad}");
     }
-    let e = srv.post(chat, &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10_000_000})).error(400);
+    let e = srv
+        .post(
+            chat,
+            &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10_000_000}),
+        )
+        .error(400);
     assert!(e["message"].as_str().unwrap().contains("context"), "{e}");
-    let e = srv.post(chat, &json!({"messages": [{"role": "user", "content": "hi"}], "n": 2})).error(400);
+    let e = srv
+        .post(
+            chat,
+            &json!({"messages": [{"role": "user", "content": "hi"}], "n": 2}),
+        )
+        .error(400);
     assert_eq!(e["param"], "n");
-    let e = srv.post(chat, &json!({"messages": [{"role": "user", "content": "hi"}], "temperature": -1})).error(400);
+    let e = srv
+        .post(
+            chat,
+            &json!({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}),
+        )
+        .error(400);
     assert_eq!(e["param"], "temperature");
-    let e = srv.post(chat, &json!({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"})).error(404);
+    let e = srv
+        .post(
+            chat,
+            &json!({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}),
+        )
+        .error(404);
     assert_eq!(e["code"], "model_not_found");
-    let e = srv.post(chat, &json!({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3})).error(400);
+    let e = srv
+        .post(
+            chat,
+            &json!({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}),
+        )
+        .error(400);
     assert_eq!(e["param"], "top_logprobs");
-    let e = srv.post(chat, &json!({"messages": [{"role": "user", "content": "hi"}],
-        "speculative": {"num_draft_tokens": 0}})).error(400);
+    let e = srv
+        .post(
+            chat,
+            &json!({"messages": [{"role": "user", "content": "hi"}],
+        "speculative": {"num_draft_tokens": 0}}),
+        )
+        .error(400);
     assert_eq!(e["param"], "speculative.num_draft_tokens");
 
     // A prompt longer than the context (SmolLM2: 8192 tokens; each " hello" is one token).
     let long = " hello".repeat(9000);
-    let e = srv.post("/v1/completions", &json!({"prompt": long, "max_tokens": 1})).error(400);
+    let e = srv
+        .post("/v1/completions", &json!({"prompt": long, "max_tokens": 1}))
+        .error(400);
     assert_eq!(e["code"], "context_length_exceeded");
-    let e = srv.post("/v1/completions", &json!({"prompt": "a", "logprobs": 50})).error(400);
+    let e = srv
+        .post("/v1/completions", &json!({"prompt": "a", "logprobs": 50}))
+        .error(400);
     assert_eq!(e["param"], "logprobs");
-    let e = srv.post("/v1/completions", &json!({"prompt": ["a", "b"]})).error(400);
+    let e = srv
+        .post("/v1/completions", &json!({"prompt": ["a", "b"]}))
+        .error(400);
     assert_eq!(e["param"], "prompt");
 
     // Over the 4 MiB body limit.
@@ -232,7 +311,10 @@ fn bad_inputs_get_openai_errors() {
     // The server survived all of it.
     assert_eq!(srv.get("/health").status, 200);
     let metrics = srv.get("/metrics").text();
-    assert!(metrics.contains("specula_requests_total{endpoint=\"chat\",status=\"400\"}"), "{metrics}");
+    assert!(
+        metrics.contains("specula_requests_total{endpoint=\"chat\",status=\"400\"}"),
+        "{metrics}"
+    );
 }
 
 #[test]
@@ -260,22 +342,44 @@ fn health_models_and_metrics() {
     assert!(usage["speculative"]["drafted"].is_u64(), "{r}");
 
     // The engine counts a request out just after its last event.
-    wait_until("the queue to drain", Duration::from_secs(10), || srv.get("/health").json()["queue_depth"] == 0);
+    wait_until("the queue to drain", Duration::from_secs(10), || {
+        srv.get("/health").json()["queue_depth"] == 0
+    });
     let m = srv.get("/metrics");
-    assert!(m.headers.contains("content-type: text/plain"), "{}", m.headers);
+    assert!(
+        m.headers.contains("content-type: text/plain"),
+        "{}",
+        m.headers
+    );
     let text = m.text();
     let value = |series: &str| -> f64 {
         text.lines()
             .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
             .unwrap_or_else(|| panic!("{series} missing:\n{text}"))
     };
-    assert_eq!(value("specula_requests_total{endpoint=\"chat\",status=\"200\"}"), 1.0);
-    assert_eq!(value("specula_generation_tokens_total"), completion_tokens as f64);
-    assert_eq!(value("specula_prompt_tokens_total"), usage["prompt_tokens"].as_f64().unwrap());
+    assert_eq!(
+        value("specula_requests_total{endpoint=\"chat\",status=\"200\"}"),
+        1.0
+    );
+    assert_eq!(
+        value("specula_generation_tokens_total"),
+        completion_tokens as f64
+    );
+    assert_eq!(
+        value("specula_prompt_tokens_total"),
+        usage["prompt_tokens"].as_f64().unwrap()
+    );
     assert_eq!(value("specula_queue_depth"), 0.0);
     assert_eq!(value("specula_time_to_first_token_seconds_count"), 1.0);
-    for family in ["specula_drafter_round_trip_seconds", "specula_drafter_restarts_total", "specula_acceptance_rate"] {
-        assert!(text.contains(&format!("# TYPE {family} ")), "{family} missing:\n{text}");
+    for family in [
+        "specula_drafter_round_trip_seconds",
+        "specula_drafter_restarts_total",
+        "specula_acceptance_rate",
+    ] {
+        assert!(
+            text.contains(&format!("# TYPE {family} ")),
+            "{family} missing:\n{text}"
+        );
     }
 }
 
@@ -284,7 +388,9 @@ fn greedy_chat_matches_generate_and_stream_matches_whole() {
     let srv = Server::start(&[]);
     let question = "What is the capital of France? Answer in one sentence.";
     let expected = generate_chat(question, 24, &[]);
-    let whole = srv.post("/v1/chat/completions", &chat_body(question, 24)).json();
+    let whole = srv
+        .post("/v1/chat/completions", &chat_body(question, 24))
+        .json();
     assert_eq!(whole["object"], "chat.completion");
     assert!(whole["id"].as_str().unwrap().starts_with("chatcmpl-"));
     let choice = &whole["choices"][0];
@@ -298,22 +404,38 @@ fn greedy_chat_matches_generate_and_stream_matches_whole() {
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
     let r = srv.post("/v1/chat/completions", &body);
-    assert!(r.headers.contains("content-type: text/event-stream"), "{}", r.headers);
+    assert!(
+        r.headers.contains("content-type: text/event-stream"),
+        "{}",
+        r.headers
+    );
     let events = sse_data(&r.text());
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let streamed: String = chunks
         .iter()
-        .filter_map(|c| c["choices"].get(0).and_then(|ch| ch["delta"]["content"].as_str()))
+        .filter_map(|c| {
+            c["choices"]
+                .get(0)
+                .and_then(|ch| ch["delta"]["content"].as_str())
+        })
         .collect();
     assert_eq!(streamed, text);
     let usage_chunk = chunks.last().unwrap();
     assert_eq!(usage_chunk["choices"], json!([]));
-    assert_eq!(usage_chunk["usage"]["completion_tokens"], whole["usage"]["completion_tokens"]);
+    assert_eq!(
+        usage_chunk["usage"]["completion_tokens"],
+        whole["usage"]["completion_tokens"]
+    );
     let finish = &chunks[chunks.len() - 2]["choices"][0];
     assert_eq!(finish["finish_reason"], choice["finish_reason"]);
-    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk" && c["id"] == chunks[0]["id"]));
+    assert!(chunks
+        .iter()
+        .all(|c| c["object"] == "chat.completion.chunk" && c["id"] == chunks[0]["id"]));
 
     // Completions: the same rule for raw prompts, with logprobs.
     let body = json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "logprobs": 2});
@@ -322,18 +444,34 @@ fn greedy_chat_matches_generate_and_stream_matches_whole() {
     let text = whole["choices"][0]["text"].as_str().unwrap().to_string();
     let lp = &whole["choices"][0]["logprobs"];
     let n = lp["tokens"].as_array().unwrap().len();
-    assert_eq!(n as u64, whole["usage"]["completion_tokens"].as_u64().unwrap());
+    assert_eq!(
+        n as u64,
+        whole["usage"]["completion_tokens"].as_u64().unwrap()
+    );
     assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
     // Greedy: the chosen token is the most likely one.
-    let best = lp["top_logprobs"][0].as_object().unwrap().values().map(|v| v.as_f64().unwrap()).fold(f64::MIN, f64::max);
-    assert!((lp["token_logprobs"][0].as_f64().unwrap() - best).abs() < 1e-5, "{lp}");
+    let best = lp["top_logprobs"][0]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_f64().unwrap())
+        .fold(f64::MIN, f64::max);
+    assert!(
+        (lp["token_logprobs"][0].as_f64().unwrap() - best).abs() < 1e-5,
+        "{lp}"
+    );
     let mut body = body;
     body["stream"] = json!(true);
     let events = sse_data(&srv.post("/v1/completions", &body).text());
     let streamed: String = events[..events.len() - 1]
         .iter()
         .map(|e| serde_json::from_str::<Value>(e).unwrap())
-        .filter_map(|c| c["choices"].get(0).and_then(|ch| ch["text"].as_str()).map(str::to_string))
+        .filter_map(|c| {
+            c["choices"]
+                .get(0)
+                .and_then(|ch| ch["text"].as_str())
+                .map(str::to_string)
+        })
         .collect();
     assert_eq!(streamed, text);
 }
@@ -344,13 +482,20 @@ fn stop_strings_end_the_text() {
     let body = json!({"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 24, "temperature": 0});
     let full = srv.post("/v1/completions", &body).json();
     let text = full["choices"][0]["text"].as_str().unwrap().to_string();
-    let cut = text.find(" 1").or_else(|| text.find('1')).expect("the count goes on past 9");
+    let cut = text
+        .find(" 1")
+        .or_else(|| text.find('1'))
+        .expect("the count goes on past 9");
     let stop = &text[cut..cut + 2.min(text.len() - cut)];
     for stop_field in [json!(stop), json!(["never-generated", stop])] {
         let mut b = body.clone();
         b["stop"] = stop_field;
         let r = srv.post("/v1/completions", &b).json();
-        assert_eq!(r["choices"][0]["text"].as_str().unwrap(), &text[..cut], "stop {stop:?}");
+        assert_eq!(
+            r["choices"][0]["text"].as_str().unwrap(),
+            &text[..cut],
+            "stop {stop:?}"
+        );
         assert_eq!(r["choices"][0]["finish_reason"], "stop");
         b["stream"] = json!(true);
         let events = sse_data(&srv.post("/v1/completions", &b).text());
@@ -359,7 +504,11 @@ fn stop_strings_end_the_text() {
             .map(|e| serde_json::from_str::<Value>(e).unwrap())
             .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_string))
             .collect();
-        assert_eq!(streamed, &text[..cut], "a stream never shows the stop string");
+        assert_eq!(
+            streamed,
+            &text[..cut],
+            "a stream never shows the stop string"
+        );
     }
 }
 
@@ -377,13 +526,22 @@ fn disconnect_cancels_generation() {
     // Counting goes on for far longer than the test waits.
     let counting = |stream: bool| json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 2000, "temperature": 0, "stream": stream});
     let body = counting(true);
-    let s = send(&srv.addr, "POST", "/v1/completions", &[], body.to_string().as_bytes());
+    let s = send(
+        &srv.addr,
+        "POST",
+        "/v1/completions",
+        &[],
+        body.to_string().as_bytes(),
+    );
     let mut reader = BufReader::new(s);
     let mut seen = 0;
     let mut line = String::new();
     while seen < 3 {
         line.clear();
-        assert!(reader.read_line(&mut line).unwrap() > 0, "stream ended early");
+        assert!(
+            reader.read_line(&mut line).unwrap() > 0,
+            "stream ended early"
+        );
         if line.starts_with("data: ") {
             seen += 1;
         }
@@ -396,11 +554,22 @@ fn disconnect_cancels_generation() {
         srv.get("/health").json()["queue_depth"] == 0
     });
     let metrics = srv.get("/metrics").text();
-    assert!(metrics.contains("specula_cancelled_requests_total 1\n"), "{metrics}");
+    assert!(
+        metrics.contains("specula_cancelled_requests_total 1\n"),
+        "{metrics}"
+    );
 
     // A non-streamed request is cancelled the same way when its client goes away.
-    let s = send(&srv.addr, "POST", "/v1/completions", &[], counting(false).to_string().as_bytes());
-    wait_until("the request to start", Duration::from_secs(30), || srv.get("/health").json()["queue_depth"] == 1);
+    let s = send(
+        &srv.addr,
+        "POST",
+        "/v1/completions",
+        &[],
+        counting(false).to_string().as_bytes(),
+    );
+    wait_until("the request to start", Duration::from_secs(30), || {
+        srv.get("/health").json()["queue_depth"] == 1
+    });
     s.shutdown(Shutdown::Both).unwrap();
     drop(s);
     wait_until("the second queue to drain", Duration::from_secs(60), || {
@@ -414,8 +583,21 @@ fn admin_requires_the_token() {
     let list = "/admin/drafters";
     let e = srv.get(list).error(401);
     assert_eq!(e["type"], "authentication_error");
-    request(&srv.addr, "GET", list, &[("Authorization", "Bearer wrong")], b"").error(401);
-    let r = request(&srv.addr, "GET", list, &[("Authorization", "Bearer s3cret")], b"");
+    request(
+        &srv.addr,
+        "GET",
+        list,
+        &[("Authorization", "Bearer wrong")],
+        b"",
+    )
+    .error(401);
+    let r = request(
+        &srv.addr,
+        "GET",
+        list,
+        &[("Authorization", "Bearer s3cret")],
+        b"",
+    );
     assert_eq!(r.status, 200, "{}", r.text());
     assert!(r.json()["drafters"].is_array());
     request(&srv.addr, "DELETE", "/admin/drafters/current", &[], b"").error(401);
@@ -433,8 +615,16 @@ fn admin_requires_the_token() {
 #[test]
 fn failed_drafter_install_keeps_serving() {
     let srv = Server::start(&[]);
-    let e = srv.post("/admin/drafters", &json!({"path": "/nonexistent/drafter"})).error(422);
-    assert!(e["message"].as_str().unwrap().contains("/nonexistent/drafter"), "{e}");
+    let e = srv
+        .post("/admin/drafters", &json!({"path": "/nonexistent/drafter"}))
+        .error(422);
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .contains("/nonexistent/drafter"),
+        "{e}"
+    );
     let e = srv.post("/admin/drafters", &json!({"path": 7})).error(400);
     assert_eq!(e["param"], "path");
     let r = srv.post("/v1/chat/completions", &chat_body("hi", 4));
@@ -447,16 +637,27 @@ fn failed_drafter_install_keeps_serving() {
 /// the current drafter is SIGKILLed: the text equals plain greedy decoding.
 #[test]
 fn hot_swap_mid_stream_keeps_the_output() {
-    let question = "List the numbers from 1 to 300, separated by commas.";
-    let tokens = 600;
+    let question = "List the numbers from 1 to 150, separated by commas.";
+    let tokens = 300;
     let plain = generate_chat(question, tokens, &["--no-speculation"]);
     let ngram = specula_tests::bin_path("ngram");
     let echo = specula_tests::bin_path("echo-drafter");
-    let srv = Server::start(&["--drafter", ngram.to_str().unwrap(), "--num-draft-tokens", "4"]);
+    let srv = Server::start(&[
+        "--drafter",
+        ngram.to_str().unwrap(),
+        "--num-draft-tokens",
+        "4",
+    ]);
 
     let mut body = chat_body(question, tokens);
     body["stream"] = json!(true);
-    let s = send(&srv.addr, "POST", "/v1/chat/completions", &[], body.to_string().as_bytes());
+    let s = send(
+        &srv.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        body.to_string().as_bytes(),
+    );
     let stream = std::thread::spawn(move || {
         let mut raw = String::new();
         BufReader::new(s).read_to_string(&mut raw).unwrap();
@@ -468,7 +669,9 @@ fn hot_swap_mid_stream_keeps_the_output() {
         assert!(r.status < 300, "{method} {path}: {} {}", r.status, r.text());
         r.json()
     };
-    wait_until("the stream to start", Duration::from_secs(30), || srv.get("/health").json()["queue_depth"] == 1);
+    wait_until("the stream to start", Duration::from_secs(30), || {
+        srv.get("/health").json()["queue_depth"] == 1
+    });
     let steps = [
         ("POST", Some(json!({"path": echo}))),
         ("DELETE", None),
@@ -476,25 +679,103 @@ fn hot_swap_mid_stream_keeps_the_output() {
     ];
     for (method, body) in steps {
         std::thread::sleep(Duration::from_millis(300));
-        let path = if method == "DELETE" { "/admin/drafters/current" } else { "/admin/drafters" };
+        let path = if method == "DELETE" {
+            "/admin/drafters/current"
+        } else {
+            "/admin/drafters"
+        };
         admin(method, path, body);
     }
-    assert_eq!(srv.get("/health").json()["queue_depth"], 1, "the swaps happened mid-stream");
+    assert_eq!(
+        srv.get("/health").json()["queue_depth"],
+        1,
+        "the swaps happened mid-stream"
+    );
     let list = admin("GET", "/admin/drafters", None);
-    let current = list["drafters"].as_array().unwrap().iter().find(|d| d["current"] == true).cloned();
-    let pid = current.and_then(|d| d["pid"].as_u64()).expect("the current drafter has a pid");
-    let killed = Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
+    let current = list["drafters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["current"] == true)
+        .cloned();
+    let pid = current
+        .and_then(|d| d["pid"].as_u64())
+        .expect("the current drafter has a pid");
+    let killed = Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap();
     assert!(killed.success());
 
     let raw = stream.join().unwrap();
     let events = sse_data(&raw);
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{raw}\n{}", srv.log());
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{raw}\n{}",
+        srv.log()
+    );
     let text: String = events[..events.len() - 1]
         .iter()
         .map(|e| serde_json::from_str::<Value>(e).unwrap())
-        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
         .collect();
     assert_eq!(text, plain["text"].as_str().unwrap());
-    let names: Vec<&str> = list["drafters"].as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap()).collect();
+    let names: Vec<&str> = list["drafters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["name"].as_str().unwrap())
+        .collect();
     assert_eq!(names.len(), 3, "ngram, echo, ngram: {list}");
+}
+
+/// SIGTERM lets the in-flight stream finish, then the server exits and takes its drafter down.
+#[test]
+fn sigterm_drains_then_stops_the_drafter() {
+    let mut srv = Server::start(&["--drafter", "ngram"]);
+    let list = srv.get("/admin/drafters").json();
+    let drafter_pid = list["drafters"][0]["pid"]
+        .as_u64()
+        .expect("the drafter has a pid");
+    let body =
+        json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 40, "temperature": 0, "stream": true});
+    let s = send(
+        &srv.addr,
+        "POST",
+        "/v1/completions",
+        &[],
+        body.to_string().as_bytes(),
+    );
+    let stream = std::thread::spawn(move || {
+        let mut raw = String::new();
+        BufReader::new(s).read_to_string(&mut raw).unwrap();
+        raw
+    });
+    wait_until("the stream to start", Duration::from_secs(30), || {
+        srv.get("/health").json()["queue_depth"] == 1
+    });
+    let pid = srv.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let raw = stream.join().unwrap();
+    assert_eq!(
+        sse_data(&raw).last().map(String::as_str),
+        Some("[DONE]"),
+        "{raw}"
+    );
+    let status = srv.child.wait().expect("the server exits");
+    assert!(status.success(), "{status}\n{}", srv.log());
+    wait_until("the drafter to exit", Duration::from_secs(10), || {
+        // Gone, or a zombie nobody reaps (the container's init may not).
+        std::fs::read_to_string(format!("/proc/{drafter_pid}/status"))
+            .map_or(true, |s| s.contains("State:\tZ"))
+    });
 }

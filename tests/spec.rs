@@ -7,7 +7,7 @@ use std::process::Command;
 use ngram::{NgramConfig, NgramDrafter};
 use specula_models::loader::{load, LoadedModel};
 use specula_models::sampling::SamplingParams;
-use specula_models::LoadOptions;
+use specula_models::{ForwardRequest, LoadOptions};
 use specula_tests::{bin_path, model_path};
 use target_host::generation::{generate, Flow, Generation, GenerationRequest, Speculation, Target};
 use target_host::inprocess::InProcess;
@@ -67,8 +67,6 @@ fn lib_generate(
     loaded: &LoadedModel,
     prompt_ids: &[u32],
     proposer: Option<Box<dyn Proposer>>,
-    logprobs: Option<usize>,
-    events: &mut Vec<Option<(f32, f32)>>,
 ) -> Generation {
     let target = Target {
         model: &loaded.model,
@@ -86,28 +84,36 @@ fn lib_generate(
         sampling: SamplingParams::default(),
         stop: vec![],
         speculation,
-        logprobs,
+        logprobs: None,
     };
     let mut cache = loaded.model.new_cache();
-    generate(&target, &mut cache, &slot, &req, &mut |ev| {
-        events.push(ev.logprob.map(|lp| (lp.top[0].1, lp.top[1].1)));
-        Flow::Continue
-    })
-    .expect("generate")
+    generate(&target, &mut cache, &slot, &req, &mut |_| Flow::Continue).expect("generate")
 }
 
-/// Index of the first difference, when there is one that is not a near-tie of the plain run.
-fn real_divergence(plain: &[u32], spec: &[u32], top2: &[Option<(f32, f32)>]) -> Option<usize> {
+/// Gap between the target's two best logits after `context` (prompt + generated prefix).
+fn top2_gap(loaded: &LoadedModel, context: &[u32]) -> f32 {
+    let mut cache = loaded.model.new_cache();
+    let out = loaded
+        .model
+        .prefill(context, &mut cache, &ForwardRequest::default())
+        .expect("forward");
+    let mut row: Vec<f32> = out.logits.flatten_all().and_then(|t| t.to_vec1()).expect("logits");
+    row.sort_by(|a, b| b.total_cmp(a));
+    row[0] - row[1]
+}
+
+/// Index of the first difference that is not a near-tie of the target's top-2 logits there.
+fn real_divergence(loaded: &LoadedModel, prompt: &[u32], plain: &[u32], spec: &[u32]) -> Option<usize> {
     let i = plain.iter().zip(spec).position(|(a, b)| a != b).or_else(|| {
         (plain.len() != spec.len()).then_some(plain.len().min(spec.len()))
     })?;
-    let gap = top2.get(i).copied().flatten().map(|(a, b)| a - b);
-    match gap {
-        Some(g) if g < NEAR_TIE => {
-            eprintln!("near-tie at token {i} (gap {g:e}): outputs may differ from here on");
-            None
-        }
-        _ => Some(i),
+    let context: Vec<u32> = prompt.iter().chain(&plain[..i]).copied().collect();
+    let gap = top2_gap(loaded, &context);
+    if gap < NEAR_TIE {
+        eprintln!("near-tie at token {i} (top-2 gap {gap:e}): outputs may differ from here on");
+        None
+    } else {
+        Some(i)
     }
 }
 
@@ -119,21 +125,18 @@ fn check_model(name: &str) {
     for (kind, text) in PROMPTS {
         let (prompt_ids, cli_plain) = cli_generate(model, kind, text, &["--no-speculation"]);
         let (_, cli_spec) = cli_generate(model, kind, text, &["--drafter", "ngram"]);
-        let mut top2 = Vec::new();
-        let plain = lib_generate(&loaded, &prompt_ids, None, Some(2), &mut top2);
+        let plain = lib_generate(&loaded, &prompt_ids, None);
         assert_eq!(plain.token_ids, cli_plain, "{name}: library and CLI plain decoding differ");
         let drafter = NgramDrafter::new(NgramConfig::default(), 16);
         let inproc = lib_generate(
             &loaded,
             &prompt_ids,
             Some(Box::new(InProcess::new(drafter))),
-            None,
-            &mut Vec::new(),
         );
         rounds_with_accepts += usize::from(inproc.stats.accepted > 0);
         for (label, spec) in [("out-of-process", &cli_spec), ("in-process", &inproc.token_ids)] {
             assert_eq!(
-                real_divergence(&plain.token_ids, spec, &top2),
+                real_divergence(&loaded, &prompt_ids, &plain.token_ids, spec),
                 None,
                 "{name} {label} ngram diverges from plain greedy on {text:?}\nplain {:?}\nspec  {:?}",
                 plain.token_ids,
@@ -152,4 +155,45 @@ fn ngram_greedy_equals_plain_smollm2() {
 #[test]
 fn ngram_greedy_equals_plain_qwen05b() {
     check_model("qwen2.5-coder-0.5b");
+}
+
+/// The verify window: logits of a chunk forward equal those of one-token steps on the real
+/// quantized model (up to float summation order), also after a rollback of the cache.
+#[test]
+fn verify_window_matches_stepwise_decoding_smollm2() {
+    let path = model_path("smollm2-135m");
+    let loaded = load(&path, &LoadOptions::default()).expect("load model");
+    let model = &loaded.model;
+    let prompt = loaded
+        .tokenizer
+        .encode("def total(xs):\n    s = 0\n    for x in xs:\n", specula_models::tokenizer::Special::Parse)
+        .expect("encode");
+    let window = [262u32, 479, 3725, 198, 198, 1348];
+    let rows = |cache: &mut specula_models::KvCache, chunk: &[u32], k: usize| -> Vec<Vec<f32>> {
+        let req = ForwardRequest {
+            last_k: k,
+            ..ForwardRequest::default()
+        };
+        model.forward(chunk, cache, &req).expect("forward").logits.to_vec2().expect("rows")
+    };
+    let mut stepwise = model.new_cache();
+    model.prefill(&prompt, &mut stepwise, &ForwardRequest::default()).expect("prefill");
+    let base = stepwise.len();
+    let steps: Vec<Vec<f32>> = window.iter().map(|&t| rows(&mut stepwise, &[t], 1).remove(0)).collect();
+
+    let mut chunked = model.new_cache();
+    model.prefill(&prompt, &mut chunked, &ForwardRequest::default()).expect("prefill");
+    // A rejected window first, rolled back: it must leave no trace.
+    rows(&mut chunked, &[9, 9, 9, 9], 4);
+    chunked.truncate(base).expect("truncate");
+    let chunk = rows(&mut chunked, &window, window.len());
+    for (i, (a, b)) in steps.iter().zip(&chunk).enumerate() {
+        let diff = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        assert!(diff < 1e-2, "row {i}: chunk and step logits differ by {diff}");
+        assert_eq!(
+            specula_models::sampling::argmax(a),
+            specula_models::sampling::argmax(b),
+            "row {i}: argmax differs"
+        );
+    }
 }

@@ -11,7 +11,9 @@ use specula_models::tokenizer::{Special, Tokenizer};
 const MODELS: [&str; 2] = ["smollm2-135m", "qwen2.5-coder-0.5b"];
 
 fn fixture(name: &str) -> Vec<Value> {
-    let path: PathBuf = specula_tests::workspace_root().join("tests/fixtures/tokenizer").join(name);
+    let path: PathBuf = specula_tests::workspace_root()
+        .join("tests/fixtures/tokenizer")
+        .join(name);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let rows: Vec<Value> = serde_json::from_str(&text).expect("fixture is JSON");
     assert!(!rows.is_empty(), "{} is empty", path.display());
@@ -36,7 +38,9 @@ fn chat_templates_match_reference() {
     for model in MODELS {
         let path = specula_tests::model_path(model);
         let tok = Tokenizer::from_gguf_file(&path).unwrap();
-        let chat = ChatTemplate::from_gguf_file(&path, &tok).unwrap().expect("template in GGUF");
+        let chat = ChatTemplate::from_gguf_file(&path, &tok)
+            .unwrap()
+            .expect("template in GGUF");
         for row in fixture(&format!("{model}.chat.json")) {
             let messages: Vec<ChatMessage> =
                 serde_json::from_value(row["messages"].clone()).expect("messages");

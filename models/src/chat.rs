@@ -269,7 +269,10 @@ fn py_json(
                 }
                 newline(out, depth + 1);
                 // Python turns non-string keys into strings.
-                py_string(&key.as_str().map_or_else(|| key.to_string(), str::to_string), out);
+                py_string(
+                    &key.as_str().map_or_else(|| key.to_string(), str::to_string),
+                    out,
+                );
                 out.push_str(": ");
                 py_json(&v.get_item(key)?, indent, depth + 1, out)?;
             }
@@ -310,7 +313,7 @@ mod tests {
     use crate::tokenizer::tests::{gguf_content, load};
 
     fn template(src: &str) -> ChatTemplate {
-        ChatTemplate::new(src, &load("smollm2-135m")).unwrap()
+        ChatTemplate::new(src, load("smollm2-135m")).unwrap()
     }
 
     fn user(text: &str) -> Vec<ChatMessage> {
@@ -350,7 +353,10 @@ mod tests {
     #[test]
     fn trim_and_lstrip_blocks_like_hf() {
         let t = template("{% for m in messages %}\n    {% if true %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}\n");
-        assert_eq!(t.render(&user("x"), GenerationPrompt::Omit).unwrap(), "[x]\n");
+        assert_eq!(
+            t.render(&user("x"), GenerationPrompt::Omit).unwrap(),
+            "[x]\n"
+        );
     }
 
     #[test]
@@ -380,7 +386,7 @@ mod tests {
             matches!(&err, Error::ChatTemplate(m) if m.contains("Conversation roles must alternate")),
             "{err}"
         );
-        let err = ChatTemplate::new("{% for %}", &load("smollm2-135m")).unwrap_err();
+        let err = ChatTemplate::new("{% for %}", load("smollm2-135m")).unwrap_err();
         assert!(matches!(err, Error::ChatTemplate(_)), "{err}");
         let err = template("{{ strftime_now('%Q%') }}").render(&[], GenerationPrompt::Omit);
         assert!(matches!(err, Err(Error::ChatTemplate(_))), "{err:?}");
@@ -391,16 +397,16 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("specula-chat-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let tok = load("smollm2-135m");
-        assert!(ChatTemplate::from_hf_dir(&dir, &tok).unwrap().is_none());
+        assert!(ChatTemplate::from_hf_dir(&dir, tok).unwrap().is_none());
         std::fs::write(
             dir.join("tokenizer_config.json"),
             r#"{"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ messages|length }}"}]}"#,
         )
         .unwrap();
-        let t = ChatTemplate::from_hf_dir(&dir, &tok).unwrap().unwrap();
+        let t = ChatTemplate::from_hf_dir(&dir, tok).unwrap().unwrap();
         assert_eq!(t.render(&user("x"), GenerationPrompt::Omit).unwrap(), "D1");
         std::fs::write(dir.join("chat_template.jinja"), "J").unwrap();
-        let t = ChatTemplate::from_hf_dir(&dir, &tok).unwrap().unwrap();
+        let t = ChatTemplate::from_hf_dir(&dir, tok).unwrap().unwrap();
         assert_eq!(t.render(&user("x"), GenerationPrompt::Omit).unwrap(), "J");
         std::fs::remove_dir_all(&dir).unwrap();
     }

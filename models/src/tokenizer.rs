@@ -3,8 +3,8 @@
 //! A GGUF file carries its tokenizer as metadata (`tokenizer.ggml.*`): the vocabulary, the BPE
 //! merges, token types and a pre-tokenizer *name*. [`Tokenizer::from_gguf`] turns that back into
 //! a `tokenizers` pipeline with the structure the model family publishes in its
-//! `tokenizer.json` (see [`gguf`] for the table of pre-tokenizer names, taken from llama.cpp's
-//! `src/llama-vocab.cpp`). The ids must match the reference tokenizer exactly: a target and a
+//! `tokenizer.json` (`tokenizer/gguf.rs` holds the table of pre-tokenizer names, taken from
+//! llama.cpp's `src/llama-vocab.cpp`). The ids must match the reference tokenizer exactly: a target and a
 //! drafter that tokenize differently would still be correct, but would never agree.
 //!
 //! Decoding skips nothing: control tokens such as `<|im_end|>` come back as their text.
@@ -416,9 +416,9 @@ pub(crate) mod tests {
         let id = |t: &Tokenizer, s: &str| t.token_to_id(s).unwrap();
         assert_eq!(
             smol.eos_ids(),
-            [id(&smol, "<|im_end|>"), id(&smol, "<|endoftext|>")]
+            [id(smol, "<|im_end|>"), id(smol, "<|endoftext|>")]
         );
-        assert_eq!(smol.bos_id(), Some(id(&smol, "<|im_start|>")));
+        assert_eq!(smol.bos_id(), Some(id(smol, "<|im_start|>")));
         assert!(!smol.adds_bos());
         assert_eq!(smol.vocab_size(), 49152);
 
@@ -443,10 +443,16 @@ pub(crate) mod tests {
     #[test]
     fn from_gguf_file_errors_name_the_file() {
         let missing = Path::new("/nonexistent/model.gguf");
-        assert!(matches!(Tokenizer::from_gguf_file(missing), Err(Error::Io { .. })));
+        assert!(matches!(
+            Tokenizer::from_gguf_file(missing),
+            Err(Error::Io { .. })
+        ));
         let not_gguf = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
         let err = Tokenizer::from_gguf_file(&not_gguf).unwrap_err();
-        assert!(matches!(&err, Error::InvalidModel { path, .. } if path == &not_gguf), "{err}");
+        assert!(
+            matches!(&err, Error::InvalidModel { path, .. } if path == &not_gguf),
+            "{err}"
+        );
     }
 
     #[test]
@@ -457,64 +463,5 @@ pub(crate) mod tests {
             matches!(&err, Error::Tokenizer(m) if m.contains("49152")),
             "{err}"
         );
-    }
-}
-#[cfg(test)]
-mod tmp_fixture_check {
-    use super::tests::load;
-    use super::*;
-    #[test]
-    fn tmp_fixtures() {
-        for model in ["smollm2-135m", "qwen2.5-coder-0.5b"] {
-            let path = tests::real_model(model);
-            let t0 = std::time::Instant::now();
-            let content = read_gguf_metadata(&path).unwrap();
-            eprintln!("{model}: read meta {:?}", t0.elapsed());
-            let t0 = std::time::Instant::now();
-            let mut f = std::fs::File::open(&path).unwrap();
-            let _ = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
-            eprintln!("{model}: read meta plain file {:?}", t0.elapsed());
-            let t0 = std::time::Instant::now();
-            let mut f = std::io::BufReader::new(std::fs::File::open(&path).unwrap());
-            let _ = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
-            eprintln!("{model}: read meta bufreader {:?}", t0.elapsed());
-            let t0 = std::time::Instant::now();
-            let tok = Tokenizer::from_gguf(&content).unwrap();
-            eprintln!("{model}: build {:?}", t0.elapsed());
-            let t0 = std::time::Instant::now();
-            let _ = tok.encode("warm", Special::Parse).unwrap();
-            eprintln!("{model}: first encode {:?}", t0.elapsed());
-            let text = std::fs::read_to_string(format!("{}/../tests/fixtures/tokenizer/{model}.json", env!("CARGO_MANIFEST_DIR"))).unwrap();
-            let rows: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
-            let mut n = 0;
-            for row in rows {
-                let text = row["text"].as_str().unwrap();
-                let expected: Vec<u32> = serde_json::from_value(row["ids"].clone()).unwrap();
-                assert_eq!(tok.encode(text, Special::Parse).unwrap(), expected, "{model}: {text:?}");
-                n += 1;
-            }
-            let chat = crate::chat::ChatTemplate::from_gguf_file(&path, &tok).unwrap().unwrap();
-            let text = std::fs::read_to_string(format!("{}/../tests/fixtures/tokenizer/{model}.chat.json", env!("CARGO_MANIFEST_DIR"))).unwrap();
-            let rows: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
-            for row in rows {
-                let msgs: Vec<crate::chat::ChatMessage> = serde_json::from_value(row["messages"].clone()).unwrap();
-                let g = if row["add_generation_prompt"].as_bool().unwrap() { crate::chat::GenerationPrompt::Add } else { crate::chat::GenerationPrompt::Omit };
-                assert_eq!(chat.render(&msgs, g).unwrap(), row["rendered"].as_str().unwrap());
-            }
-            // throughput
-            let big: String = std::iter::repeat("fn main() { let x = 12345; println!(\"héllo 🙂 {x}\"); }\n").take(2000).collect();
-            let t0 = std::time::Instant::now();
-            let ids = tok.encode(&big, Special::Parse).unwrap();
-            let dt = t0.elapsed();
-            eprintln!("{model}: {n} fixtures ok; encode {} bytes -> {} ids in {:?} ({:.1} MB/s)", big.len(), ids.len(), dt, big.len() as f64 / dt.as_secs_f64() / 1e6);
-            let t0 = std::time::Instant::now();
-            let mut dec = tok.stream_decoder();
-            let mut out = String::new();
-            for &id in &ids { out.extend(dec.step(id).unwrap()); }
-            out.extend(dec.flush().unwrap());
-            let dt = t0.elapsed();
-            assert_eq!(out.len(), big.len());
-            eprintln!("{model}: stream decode {} ids in {:?} ({:.2} us/id)", ids.len(), dt, dt.as_secs_f64() * 1e6 / ids.len() as f64);
-        }
     }
 }

@@ -44,7 +44,7 @@ use crate::shm::{RegionId, ShmReader, TapViews, TensorView};
 use crate::transport::{self, Sender, BOOTSTRAP_ENV};
 use crate::version::{self, Version, PROTOCOL_VERSION};
 use crate::wire::{
-    Capabilities, DraftedRow, Drafted, DrafterMsg, HandshakeReply, Hello, HostMsg, Reply, Request,
+    Capabilities, Drafted, DraftedRow, DrafterMsg, HandshakeReply, Hello, HostMsg, Reply, Request,
     SamplingSpec, SessionId, TargetInfo,
 };
 
@@ -191,14 +191,18 @@ impl Outcome {
 /// Errors and refusals are printed to stderr.
 pub fn serve<D: Drafter>(drafter: D) -> ExitCode {
     let Ok(name) = std::env::var(BOOTSTRAP_ENV) else {
-        eprintln!("this is a Specula drafter: the target host starts it ({BOOTSTRAP_ENV} is not set)");
+        eprintln!(
+            "this is a Specula drafter: the target host starts it ({BOOTSTRAP_ENV} is not set)"
+        );
         return ExitCode::from(1);
     };
     match run(drafter, &name) {
         Ok(outcome) => {
             match &outcome {
                 Outcome::Refused { reason } => eprintln!("the host refused this drafter: {reason}"),
-                Outcome::Declined { reason } => eprintln!("this drafter refused the target: {reason}"),
+                Outcome::Declined { reason } => {
+                    eprintln!("this drafter refused the target: {reason}")
+                }
                 Outcome::Shutdown | Outcome::HostGone => {}
             }
             outcome.exit_code()
@@ -329,7 +333,10 @@ impl<D: Drafter> Server<D> {
                     let mut p = if self.sessions.contains(&row.session) {
                         self.drafter.draft(row.session, &row.new_tokens, n)
                     } else {
-                        warn!(session = row.session, "draft for a session that is not open");
+                        warn!(
+                            session = row.session,
+                            "draft for a session that is not open"
+                        );
                         Proposal::none()
                     };
                     p.tokens.truncate(n);

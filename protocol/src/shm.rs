@@ -90,7 +90,10 @@ const CAPACITY: usize = 24;
 const ALIGN: u64 = 64;
 
 fn word(mem: &[u8], at: usize) -> &AtomicU64 {
-    assert!(at + 8 <= HEADER && mem.len() >= HEADER, "invariant: header word inside the header");
+    assert!(
+        at + 8 <= HEADER && mem.len() >= HEADER,
+        "invariant: header word inside the header"
+    );
     // SAFETY: `mem` is a page-aligned mapping shared with another process, at least HEADER bytes
     // long; `at` is 8-aligned; the borrow keeps the mapping alive. Header words are only ever
     // accessed atomically, by both processes.
@@ -113,10 +116,7 @@ impl ShmWriter {
     /// [`Error::TooLarge`] when `capacity` is zero.
     pub fn new(id: RegionId, capacity: usize) -> Result<Self> {
         if capacity == 0 {
-            return Err(Error::TooLarge {
-                bytes: 0,
-                capacity,
-            });
+            return Err(Error::TooLarge { bytes: 0, capacity });
         }
         let capacity = (capacity as u64).div_ceil(ALIGN) * ALIGN;
         let shm = IpcSharedMemory::from_byte(0, HEADER + capacity as usize);
@@ -219,7 +219,10 @@ impl ShmReader {
         let capacity = word(&shm, CAPACITY).load(Ordering::Relaxed);
         if capacity == 0 || HEADER as u64 + capacity != shm.len() as u64 {
             return Err(Error::BadView {
-                reason: format!("region {id} header says {capacity} bytes, mapping has {}", shm.len()),
+                reason: format!(
+                    "region {id} header says {capacity} bytes, mapping has {}",
+                    shm.len()
+                ),
             });
         }
         Ok(ShmReader { id, shm, capacity })
@@ -238,7 +241,10 @@ impl ShmReader {
     pub fn read_f32(&self, view: &TensorView) -> Result<Vec<f32>> {
         let bad = |reason: String| Err(Error::BadView { reason });
         if view.region != self.id {
-            return bad(format!("view names region {}, this is {}", view.region, self.id));
+            return bad(format!(
+                "view names region {}, this is {}",
+                view.region, self.id
+            ));
         }
         let bytes = (view.numel() * 4) as u64;
         if bytes > self.capacity
@@ -253,7 +259,10 @@ impl ShmReader {
         let base = &self.shm[..];
         let written = word(base, WRITTEN).load(Ordering::Acquire);
         if written < view.epoch + bytes {
-            return bad(format!("epoch {} is not written yet ({written})", view.epoch));
+            return bad(format!(
+                "epoch {} is not written yet ({written})",
+                view.epoch
+            ));
         }
         let src = &base[view.offset as usize..(view.offset + bytes) as usize];
         let out: Vec<f32> = src
@@ -287,7 +296,11 @@ mod tests {
         let vb = w.write_f32(&b, &[3]).unwrap();
         assert_eq!(r.read_f32(&va).unwrap(), a);
         assert_eq!(
-            r.read_f32(&vb).unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            r.read_f32(&vb)
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect::<Vec<_>>(),
             b.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
         );
     }
@@ -320,14 +333,38 @@ mod tests {
     fn bad_views_and_inputs_are_errors() {
         let mut w = ShmWriter::new(1, 256).unwrap();
         let r = ShmReader::new(1, w.handle()).unwrap();
-        assert!(matches!(w.write_f32(&[0.0; 3], &[2, 2]), Err(Error::BadView { .. })));
-        assert!(matches!(w.write_f32(&[0.0; 65], &[65]), Err(Error::TooLarge { .. })));
+        assert!(matches!(
+            w.write_f32(&[0.0; 3], &[2, 2]),
+            Err(Error::BadView { .. })
+        ));
+        assert!(matches!(
+            w.write_f32(&[0.0; 65], &[65]),
+            Err(Error::TooLarge { .. })
+        ));
         let v = w.write_f32(&[0.0; 4], &[4]).unwrap();
-        let other = TensorView { region: 2, ..v.clone() };
-        assert!(r.read_f32(&other).unwrap_err().to_string().contains("region 2"));
-        let unwritten = TensorView { epoch: 64, offset: HEADER as u64 + 64, ..v.clone() };
-        assert!(r.read_f32(&unwritten).unwrap_err().to_string().contains("not written"));
-        let shifted = TensorView { offset: v.offset + 4, ..v };
+        let other = TensorView {
+            region: 2,
+            ..v.clone()
+        };
+        assert!(r
+            .read_f32(&other)
+            .unwrap_err()
+            .to_string()
+            .contains("region 2"));
+        let unwritten = TensorView {
+            epoch: 64,
+            offset: HEADER as u64 + 64,
+            ..v.clone()
+        };
+        assert!(r
+            .read_f32(&unwritten)
+            .unwrap_err()
+            .to_string()
+            .contains("not written"));
+        let shifted = TensorView {
+            offset: v.offset + 4,
+            ..v
+        };
         assert!(matches!(r.read_f32(&shifted), Err(Error::BadView { .. })));
         assert!(ShmReader::new(1, IpcSharedMemory::from_byte(0, 128)).is_err());
         assert!(ShmWriter::new(0, 0).is_err());

@@ -167,10 +167,11 @@ pub fn connect(name: &str, hello: &Hello) -> Result<Connected> {
         op: "create the host → drafter channel",
         source,
     })?;
-    let bootstrap = IpcSender::<Connect>::connect(name.to_string()).map_err(|source| Error::Io {
-        op: "connect to the host's bootstrap socket",
-        source,
-    })?;
+    let bootstrap =
+        IpcSender::<Connect>::connect(name.to_string()).map_err(|source| Error::Io {
+            op: "connect to the host's bootstrap socket",
+            source,
+        })?;
     let connect = Connect {
         hello: to_json("Hello", hello)?,
         to_drafter,

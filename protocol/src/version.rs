@@ -64,8 +64,14 @@ mod tests {
     fn picks_highest_shared_major_and_smaller_minor() {
         assert_eq!(negotiate(&[v(1, 3)], &[v(1, 1)]), Some(v(1, 1)));
         assert_eq!(negotiate(&[v(1, 0)], &[v(1, 4)]), Some(v(1, 0)));
-        assert_eq!(negotiate(&[v(1, 2), v(2, 0)], &[v(1, 5), v(2, 3)]), Some(v(2, 0)));
-        assert_eq!(negotiate(&[v(1, 2), v(2, 0)], &[v(1, 5), v(3, 0)]), Some(v(1, 2)));
+        assert_eq!(
+            negotiate(&[v(1, 2), v(2, 0)], &[v(1, 5), v(2, 3)]),
+            Some(v(2, 0))
+        );
+        assert_eq!(
+            negotiate(&[v(1, 2), v(2, 0)], &[v(1, 5), v(3, 0)]),
+            Some(v(1, 2))
+        );
     }
 
     #[test]

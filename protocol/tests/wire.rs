@@ -141,7 +141,10 @@ fn golden<T: Serialize + DeserializeOwned + PartialEq + std::fmt::Debug>(name: &
     }
     let want = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("{}: {e} (UPDATE_GOLDEN=1 writes it)", path.display()));
-    assert_eq!(json, want, "{name} changed its JSON form: a wire change needs a version bump");
+    assert_eq!(
+        json, want,
+        "{name} changed its JSON form: a wire change needs a version bump"
+    );
     let back: T = serde_json::from_str(&want).unwrap();
     assert_eq!(&back, value, "{name} does not round-trip through JSON");
 }
@@ -149,14 +152,36 @@ fn golden<T: Serialize + DeserializeOwned + PartialEq + std::fmt::Debug>(name: &
 #[test]
 fn golden_json_for_every_message() {
     golden("hello", &hello());
-    golden("welcome", &HandshakeReply::Welcome(Welcome { version: PROTOCOL_VERSION, target: target() }));
-    golden("refused", &HandshakeReply::Refused { reason: "no common protocol version".into() });
+    golden(
+        "welcome",
+        &HandshakeReply::Welcome(Welcome {
+            version: PROTOCOL_VERSION,
+            target: target(),
+        }),
+    );
+    golden(
+        "refused",
+        &HandshakeReply::Refused {
+            reason: "no common protocol version".into(),
+        },
+    );
     golden("handshake", &HostMsg::Handshake("{}".into()));
     for (i, (name, request)) in requests().into_iter().enumerate() {
-        golden(name, &HostMsg::Request { seq: i as u64, request });
+        golden(
+            name,
+            &HostMsg::Request {
+                seq: i as u64,
+                request,
+            },
+        );
     }
     golden("drafted", &drafted());
-    golden("goodbye", &DrafterMsg::Goodbye { reason: "tokenizer mismatch".into() });
+    golden(
+        "goodbye",
+        &DrafterMsg::Goodbye {
+            reason: "tokenizer mismatch".into(),
+        },
+    );
 }
 
 #[test]
@@ -173,7 +198,10 @@ fn newer_handshake_fields_are_ignored_and_missing_options_default() {
 fn postcard_round_trip_over_a_real_channel() {
     let (tx, rx) = ipc::channel::<HostMsg>().unwrap();
     for (i, (_, request)) in requests().into_iter().enumerate() {
-        let msg = HostMsg::Request { seq: i as u64, request };
+        let msg = HostMsg::Request {
+            seq: i as u64,
+            request,
+        };
         tx.send(msg.clone()).unwrap();
         assert_eq!(rx.recv().unwrap(), msg);
     }
@@ -188,10 +216,17 @@ fn map_region_carries_live_shared_memory() {
     let shm = IpcSharedMemory::from_bytes(&[1, 2, 3, 4]);
     let msg = HostMsg::Request {
         seq: 0,
-        request: Request::MapRegion(MapRegion { region: 9, shm: shm.clone() }),
+        request: Request::MapRegion(MapRegion {
+            region: 9,
+            shm: shm.clone(),
+        }),
     };
     tx.send(msg).unwrap();
-    let HostMsg::Request { request: Request::MapRegion(got), .. } = rx.recv().unwrap() else {
+    let HostMsg::Request {
+        request: Request::MapRegion(got),
+        ..
+    } = rx.recv().unwrap()
+    else {
         panic!("expected MapRegion");
     };
     assert_eq!(got.region, 9);
@@ -200,13 +235,25 @@ fn map_region_carries_live_shared_memory() {
 
 #[test]
 fn sender_refuses_messages_newer_than_negotiated() {
-    let msg = HostMsg::Request { seq: 0, request: Request::Shutdown };
+    let msg = HostMsg::Request {
+        seq: 0,
+        request: Request::Shutdown,
+    };
     // Every current message is 1.0: fine at 1.0 and at any later 1.x.
     check(&msg, PROTOCOL_VERSION).unwrap();
     check(&msg, Version { major: 1, minor: 9 }).unwrap();
     // A peer of another major cannot read it.
     let err = check(&msg, Version { major: 2, minor: 0 }).unwrap_err();
-    assert!(matches!(err, Error::TooNew { message: "Shutdown", .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::TooNew {
+                message: "Shutdown",
+                ..
+            }
+        ),
+        "{err}"
+    );
     // A message from 1.1 must not reach a 1.0 peer; nothing is sent.
     struct FromV1_1;
     impl Since for FromV1_1 {
@@ -218,7 +265,10 @@ fn sender_refuses_messages_newer_than_negotiated() {
         }
     }
     let err = check(&FromV1_1, PROTOCOL_VERSION).unwrap_err();
-    assert_eq!(err.to_string(), "message `FromV1_1` needs protocol 1.1 but 1.0 was negotiated");
+    assert_eq!(
+        err.to_string(),
+        "message `FromV1_1` needs protocol 1.1 but 1.0 was negotiated"
+    );
     let (tx, rx) = ipc::channel::<HostMsg>().unwrap();
     let sender = Sender::new(tx, Version { major: 2, minor: 0 });
     assert!(sender.send(msg).is_err());

@@ -130,3 +130,58 @@ impl ProposerSlot {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
+
+/// A proposer shared between the slot (where the verify loop drives it) and an observer that
+/// reads its status or counters (the admin API, a benchmark). Calls lock it for their length.
+pub struct Shared<P> {
+    inner: std::sync::Arc<std::sync::Mutex<P>>,
+    name: String,
+}
+
+impl<P: Proposer> Shared<P> {
+    /// Shares `proposer`; the returned handle observes it.
+    pub fn new(proposer: P) -> (Self, std::sync::Arc<std::sync::Mutex<P>>) {
+        let name = proposer.name().to_string();
+        let inner = std::sync::Arc::new(std::sync::Mutex::new(proposer));
+        (
+            Shared {
+                inner: inner.clone(),
+                name,
+            },
+            inner,
+        )
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, P> {
+        // Proposer state stays usable after a panic in another holder: every call is
+        // self-contained, and a broken drafter only costs speed.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl<P: Proposer> Proposer for Shared<P> {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn wants(&self) -> Wants {
+        self.lock().wants()
+    }
+    fn open(
+        &mut self,
+        session: SessionId,
+        prompt: &[u32],
+        sampling: &SamplingParams,
+        prompt_taps: Option<&TapRows>,
+    ) {
+        self.lock().open(session, prompt, sampling, prompt_taps);
+    }
+    fn draft(&mut self, session: SessionId, new_tokens: &[u32], n: usize) -> Draft {
+        self.lock().draft(session, new_tokens, n)
+    }
+    fn verdict(&mut self, session: SessionId, verdict: &Verdict<'_>) {
+        self.lock().verdict(session, verdict);
+    }
+    fn close(&mut self, session: SessionId) {
+        self.lock().close(session);
+    }
+}

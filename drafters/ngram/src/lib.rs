@@ -219,7 +219,11 @@ mod tests {
             let id = (state >> 16) % 6;
             ix.extend(&[id]);
             if step % 7 == 0 {
-                assert_eq!(ix.propose(5), rescan(ix.tokens(), 1, 4, 5), "at step {step}");
+                assert_eq!(
+                    ix.propose(5),
+                    rescan(ix.tokens(), 1, 4, 5),
+                    "at step {step}"
+                );
             }
         }
     }

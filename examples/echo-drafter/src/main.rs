@@ -16,7 +16,11 @@ struct Echo {
 
 impl Drafter for Echo {
     fn info(&self) -> DrafterInfo {
-        DrafterInfo::new("echo", env!("CARGO_PKG_VERSION"), Capabilities::tokens_only(4))
+        DrafterInfo::new(
+            "echo",
+            env!("CARGO_PKG_VERSION"),
+            Capabilities::tokens_only(4),
+        )
     }
 
     fn accept_target(&mut self, target: &TargetInfo) -> Result<(), String> {

@@ -7,12 +7,15 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Module, Tensor};
 
 use crate::error::Result;
+use crate::layers::qmatmul;
 
 /// How the weight is stored.
 #[derive(Clone, Debug)]
 pub enum Weight {
     /// GGUF blocks; candle dequantizes F32/F16 GGUF tensors to a dense tensor itself.
     Quantized(QMatMul),
+    /// GGUF blocks run by [`crate::layers::qmatmul`] (types candle only has scalar code for).
+    RowBatched(Arc<QTensor>),
     /// Dense `[out, in]` in any float dtype.
     Dense(Tensor),
 }
@@ -30,8 +33,12 @@ impl Linear {
     /// # Errors
     /// If candle cannot wrap the tensor.
     pub fn quantized(weight: Arc<QTensor>, bias: Option<Tensor>) -> Result<Self> {
+        let weight = match qmatmul::supports(weight.dtype()) && weight.device().is_cpu() {
+            true => Weight::RowBatched(weight),
+            false => Weight::Quantized(QMatMul::from_arc(weight)?),
+        };
         Ok(Self {
-            weight: Weight::Quantized(QMatMul::from_arc(weight)?),
+            weight,
             bias: bias.map(|b| b.to_dtype(DType::F32)).transpose()?,
         })
     }
@@ -59,6 +66,7 @@ impl Linear {
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let ys = match &self.weight {
             Weight::Quantized(q) => q.forward(&xs.contiguous()?)?,
+            Weight::RowBatched(q) => qmatmul::matmul(q, xs)?,
             Weight::Dense(w) if w.dtype() == DType::F32 => xs.matmul(&w.t()?)?,
             // Half-precision weights: multiply in their dtype (no dequantized copy of W).
             Weight::Dense(w) => xs

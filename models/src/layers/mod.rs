@@ -7,6 +7,7 @@ pub mod embedding;
 pub mod linear;
 pub mod mlp;
 pub mod norm;
+pub mod qmatmul;
 pub mod rope;
 
 pub use attention::Attention;

@@ -24,7 +24,8 @@ const TYPE_CONTROL: i32 = 3;
 const TYPE_USER_DEFINED: i32 = 4;
 
 /// GPT-2's split, which `ByteLevel(use_regex = true)` applies itself.
-const GPT2_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+const GPT2_REGEX: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 /// Qwen2's split: one digit per piece, letters with one leading non-letter.
 const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Llama 3's split: like Qwen2's but digits in groups of up to three.
@@ -165,7 +166,9 @@ pub(super) fn build(content: &Content) -> Result<(tokenizers::Tokenizer, usize, 
     }
     let ids = SpecialIds {
         bos: meta.opt_id("tokenizer.ggml.bos_token_id")?,
-        add_bos: meta.opt_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false),
+        add_bos: meta
+            .opt_bool("tokenizer.ggml.add_bos_token")?
+            .unwrap_or(false),
         declared_eos,
         control,
     };
@@ -290,10 +293,17 @@ mod tests {
 
     /// A tiny byte-level vocabulary: "a", "b", "ab", one control token and "Ġ" (a space).
     fn content(model: &str, pre: Option<&str>) -> Content {
-        let strings = |xs: &[&str]| Value::Array(xs.iter().map(|s| Value::String(s.to_string())).collect());
+        let strings =
+            |xs: &[&str]| Value::Array(xs.iter().map(|s| Value::String(s.to_string())).collect());
         let mut metadata = HashMap::from([
-            ("tokenizer.ggml.model".to_string(), Value::String(model.into())),
-            ("tokenizer.ggml.tokens".to_string(), strings(&["a", "b", "ab", "<|end|>", "Ġ"])),
+            (
+                "tokenizer.ggml.model".to_string(),
+                Value::String(model.into()),
+            ),
+            (
+                "tokenizer.ggml.tokens".to_string(),
+                strings(&["a", "b", "ab", "<|end|>", "Ġ"]),
+            ),
             ("tokenizer.ggml.merges".to_string(), strings(&["a b"])),
             (
                 "tokenizer.ggml.token_type".to_string(),
@@ -322,7 +332,9 @@ mod tests {
     #[test]
     fn tiny_vocab_merges_and_ends() {
         let tok = super::super::Tokenizer::from_gguf(&content("gpt2", Some("gpt-2"))).unwrap();
-        let ids = tok.encode("ab<|end|>", super::super::Special::Parse).unwrap();
+        let ids = tok
+            .encode("ab<|end|>", super::super::Special::Parse)
+            .unwrap();
         assert_eq!(ids, [2, 3]);
         assert_eq!(tok.eos_ids(), [3]);
         assert_eq!(tok.decode(&ids).unwrap(), "ab<|end|>");
@@ -331,7 +343,10 @@ mod tests {
     #[test]
     fn unknown_tokenizer_model_is_a_clear_error() {
         let msg = tokenizer_err(&content("bert", Some("gpt-2")));
-        assert!(msg.contains("'bert'") && msg.contains("tokenizer.ggml.model"), "{msg}");
+        assert!(
+            msg.contains("'bert'") && msg.contains("tokenizer.ggml.model"),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -347,11 +362,15 @@ mod tests {
         assert!(tokenizer_err(&c).contains("no tokenizer.ggml.merges"));
 
         let mut c = content("gpt2", Some("gpt-2"));
-        c.metadata.insert("tokenizer.ggml.eos_token_id".into(), Value::String("x".into()));
+        c.metadata.insert(
+            "tokenizer.ggml.eos_token_id".into(),
+            Value::String("x".into()),
+        );
         assert!(tokenizer_err(&c).contains("tokenizer.ggml.eos_token_id should be an integer"));
 
         let mut c = content("gpt2", Some("gpt-2"));
-        c.metadata.insert("tokenizer.ggml.eos_token_id".into(), Value::U32(99));
+        c.metadata
+            .insert("tokenizer.ggml.eos_token_id".into(), Value::U32(99));
         assert!(tokenizer_err(&c).contains("EOS token id 99 is out of range"));
     }
 

@@ -32,7 +32,9 @@ pub(super) fn build(dir: &Path) -> Result<(tokenizers::Tokenizer, usize, Special
     };
     let bos = match named("bos_token")? {
         Some(id) => Some(id),
-        None => generation.as_ref().and_then(|g| ids(&g["bos_token_id"]).first().copied()),
+        None => generation
+            .as_ref()
+            .and_then(|g| ids(&g["bos_token_id"]).first().copied()),
     };
     let mut declared_eos: Vec<u32> = named("eos_token")?.into_iter().collect();
     if let Some(g) = &generation {
@@ -149,7 +151,10 @@ mod tests {
     #[test]
     fn hf_dir_add_bos_and_bad_files() {
         let dir = temp_dir("bos");
-        export(&dir, r#"{"bos_token": "<|im_start|>", "add_bos_token": true}"#);
+        export(
+            &dir,
+            r#"{"bos_token": "<|im_start|>", "add_bos_token": true}"#,
+        );
         let tok = Tokenizer::from_hf_dir(&dir).unwrap();
         let bos = tok.bos_id().unwrap();
         assert_eq!(tok.encode("hi", Special::Parse).unwrap()[0], bos);
@@ -157,13 +162,23 @@ mod tests {
         let ids = tok.encode("<|im_start|>hi", Special::Parse).unwrap();
         assert_eq!(ids.iter().filter(|&&i| i == bos).count(), 1);
 
-        std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": "<nope>"}"#).unwrap();
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"eos_token": "<nope>"}"#,
+        )
+        .unwrap();
         let err = Tokenizer::from_hf_dir(&dir).unwrap_err();
         assert!(err.to_string().contains("'<nope>'"), "{err}");
 
         std::fs::write(dir.join("tokenizer.json"), "{ not json").unwrap();
-        assert!(matches!(Tokenizer::from_hf_dir(&dir), Err(Error::Tokenizer(_))));
+        assert!(matches!(
+            Tokenizer::from_hf_dir(&dir),
+            Err(Error::Tokenizer(_))
+        ));
         std::fs::remove_dir_all(&dir).unwrap();
-        assert!(matches!(Tokenizer::from_hf_dir(&dir), Err(Error::Io { .. })));
+        assert!(matches!(
+            Tokenizer::from_hf_dir(&dir),
+            Err(Error::Io { .. })
+        ));
     }
 }

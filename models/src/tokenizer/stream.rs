@@ -108,11 +108,15 @@ mod tests {
             let ids = tok.encode(text, Special::Parse).unwrap();
             // The emoji really is split: some single id decodes to a broken character.
             assert!(
-                ids.iter().any(|&id| tok.decode(&[id]).unwrap().contains('\u{FFFD}')),
+                ids.iter()
+                    .any(|&id| tok.decode(&[id]).unwrap().contains('\u{FFFD}')),
                 "{model}: no emoji split across ids in {ids:?}"
             );
-            let out = pieces(&tok, &ids);
-            assert!(out.iter().all(|p| !p.contains('\u{FFFD}')), "{model}: {out:?}");
+            let out = pieces(tok, &ids);
+            assert!(
+                out.iter().all(|p| !p.contains('\u{FFFD}')),
+                "{model}: {out:?}"
+            );
             assert_eq!(out.concat(), text, "{model}");
         }
     }

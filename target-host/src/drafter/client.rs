@@ -44,7 +44,8 @@ pub struct DrafterClient {
     bad_in_row: u32,
 }
 
-fn sampling_spec(p: &SamplingParams) -> SamplingSpec {
+/// The protocol's form of the sampling parameters.
+pub(super) fn sampling_spec(p: &SamplingParams) -> SamplingSpec {
     SamplingSpec {
         temperature: p.temperature,
         top_p: p.top_p,

@@ -5,11 +5,13 @@
 //! - [`handshake`]: bootstrap, version negotiation, `Welcome`, shared-memory region, ping.
 //! - [`supervisor`]: the [`DrafterState`] machine, respawn with exponential backoff.
 //! - [`client`]: the `Proposer` implementation: deadlines, reply validation, taps, counters.
+//! - [`inprocess`]: an SDK drafter run inside the host, for benchmarks and tests.
 //!
 //! The protocol itself lives in `specula_protocol` (see `protocol/README.md`).
 
 pub mod client;
 pub mod handshake;
+pub mod inprocess;
 pub mod process;
 pub mod supervisor;
 mod validate;
@@ -19,6 +21,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use client::DrafterClient;
+pub use inprocess::InProcess;
 pub use process::DrafterSpec;
 pub use supervisor::DrafterState;
 

@@ -254,7 +254,8 @@ impl Metrics {
         family: &mut dyn FnMut(&mut String, &str, &str, &str),
     ) {
         let drafters = lock(&self.drafters);
-        let series: [(&str, &str, fn(&DrafterMeter) -> String); 4] = [
+        type Series = (&'static str, &'static str, fn(&DrafterMeter) -> String);
+        let series: [Series; 4] = [
             (
                 "specula_drafted_tokens_total",
                 "Draft tokens offered to the target.",

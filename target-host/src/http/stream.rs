@@ -76,6 +76,15 @@ impl Tracker {
     }
 }
 
+impl Tracker {
+    /// Counts a request whose engine went away without finishing it (the worker panicked).
+    fn lost(&mut self) -> ApiError {
+        let message = "the engine stopped before the request finished".to_string();
+        self.finish(&Err(message.clone()));
+        engine_error(message)
+    }
+}
+
 impl Drop for Tracker {
     fn drop(&mut self) {
         if !self.finished {
@@ -117,9 +126,7 @@ pub async fn collect(
             }
         }
     }
-    let lost = Err("the engine stopped before the request finished".to_string());
-    tracker.finish(&lost);
-    Err(engine_error(lost.unwrap_err()))
+    Err(tracker.lost())
 }
 
 fn engine_error(message: String) -> ApiError {
@@ -180,11 +187,7 @@ pub fn sse<C: Chunks>(
                     Err(e) => vec![data(&engine_error(e).to_json())],
                 }
             }
-            None => {
-                let lost = Err("the engine stopped before the request finished".to_string());
-                tracker.finish(&lost);
-                vec![data(&engine_error(lost.unwrap_err()).to_json())]
-            }
+            None => vec![data(&tracker.lost().to_json())],
         };
         let mut out = out;
         out.push(SseEvent::default().data("[DONE]"));

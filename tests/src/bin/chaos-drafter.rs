@@ -52,8 +52,15 @@ fn parse() -> Result<Args> {
         }
     }
     const MODES: &[&str] = &[
-        "random-ids", "oov-ids", "sleep-past-deadline", "exit-mid-request", "wrong-major",
-        "too-many", "nan-q", "refuse-target", "taps-check",
+        "random-ids",
+        "oov-ids",
+        "sleep-past-deadline",
+        "exit-mid-request",
+        "wrong-major",
+        "too-many",
+        "nan-q",
+        "refuse-target",
+        "taps-check",
     ];
     if !MODES.contains(&args.mode.as_str()) {
         bail!("--mode must be one of {MODES:?}, got {:?}", args.mode);
@@ -80,8 +87,16 @@ fn read(region: Option<&ShmReader>, views: &TapViews) -> specula_protocol::Resul
     Ok(Taps {
         pos: views.pos,
         rows: views.rows,
-        layers: views.layers.iter().map(|v| region.read_f32(v)).collect::<Result<_, _>>()?,
-        final_hidden: views.final_hidden.as_ref().map(|v| region.read_f32(v)).transpose()?,
+        layers: views
+            .layers
+            .iter()
+            .map(|v| region.read_f32(v))
+            .collect::<Result<_, _>>()?,
+        final_hidden: views
+            .final_hidden
+            .as_ref()
+            .map(|v| region.read_f32(v))
+            .transpose()?,
         kv: views
             .kv
             .iter()
@@ -126,12 +141,19 @@ fn run() -> Result<()> {
     };
     let tx = Sender::new(connected.to_host, welcome.version);
     if args.mode == "refuse-target" {
-        tx.send(DrafterMsg::Goodbye { reason: "chaos refuses every target".into() })?;
+        tx.send(DrafterMsg::Goodbye {
+            reason: "chaos refuses every target".into(),
+        })?;
         bail!("refused the target");
     }
     let vocab = welcome.target.vocab_size;
     let mut out = match &args.out {
-        Some(path) => Some(std::fs::OpenOptions::new().create(true).append(true).open(path)?),
+        Some(path) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)?,
+        ),
         None => None,
     };
     let mut region = None;
@@ -142,7 +164,9 @@ fn run() -> Result<()> {
             return Ok(()); // the host is gone
         };
         let mut log = |what: &str, session: SessionId, views: &Option<TapViews>| -> Result<()> {
-            let (Some(out), Some(views)) = (out.as_mut(), views) else { return Ok(()) };
+            let (Some(out), Some(views)) = (out.as_mut(), views) else {
+                return Ok(());
+            };
             match read(region.as_ref(), views) {
                 Ok(t) => writeln!(out, "{what} {session} {} {}", t.rows, checksum(&t))?,
                 Err(_) => writeln!(out, "{what} {session} torn")?,
@@ -173,19 +197,30 @@ fn run() -> Result<()> {
                         }
                         _ => ((0..n).map(|_| next()).collect(), None),
                     };
-                    DraftedRow { session: row.session, tokens, q }
+                    DraftedRow {
+                        session: row.session,
+                        tokens,
+                        q,
+                    }
                 });
-                let drafted = Drafted { rows: rows.collect() };
+                let drafted = Drafted {
+                    rows: rows.collect(),
+                };
                 // The handshake ping (no rows) is always answered on time.
                 if !d.rows.is_empty() {
                     drafts += 1;
                     match args.mode.as_str() {
-                        "sleep-past-deadline" => std::thread::sleep(Duration::from_millis(args.sleep_ms)),
+                        "sleep-past-deadline" => {
+                            std::thread::sleep(Duration::from_millis(args.sleep_ms))
+                        }
                         "exit-mid-request" if drafts > args.after => std::process::exit(1),
                         _ => {}
                     }
                 }
-                tx.send(DrafterMsg::Reply { seq, reply: Reply::Drafted(drafted) })?;
+                tx.send(DrafterMsg::Reply {
+                    seq,
+                    reply: Reply::Drafted(drafted),
+                })?;
             }
         }
     }

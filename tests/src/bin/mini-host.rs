@@ -36,7 +36,9 @@ fn open_fds() -> Result<usize> {
 
 fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
-    let scenario = args.next().context("usage: mini-host SCENARIO DRAFTER [ARGS…]")?;
+    let scenario = args
+        .next()
+        .context("usage: mini-host SCENARIO DRAFTER [ARGS…]")?;
     let drafter = args.next().context("missing DRAFTER")?;
     let spec = DrafterSpec::new(drafter).with_args(args);
     match scenario.as_str() {
@@ -51,7 +53,9 @@ fn main() -> Result<()> {
             client.open(1, &[5, 6, 7, 5, 6], &SamplingParams::default(), None);
             client.draft(1, &[], 4);
             let pid = client.pid().context("no drafter")?;
-            let status = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status()?;
+            let status = std::process::Command::new("kill")
+                .args(["-9", &pid.to_string()])
+                .status()?;
             if !status.success() {
                 bail!("kill -9 {pid} failed");
             }
