@@ -15,8 +15,6 @@
 //! * `native`: quantized matmuls are a different function, so exact agreement is not expected;
 //!   the teacher-forced top-1 agreement must stay above [`NATIVE_MIN_AGREEMENT`].
 
-use std::path::Path;
-
 use serde_json::Value;
 use specula_models::{load_model, ForwardRequest, LoadOptions, Model, WeightDType};
 use specula_tests::{model_path, workspace_root};
@@ -142,7 +140,7 @@ fn load(name: &str, dtype: WeightDType) -> Model {
         dtype,
         ..Default::default()
     };
-    load_model(Path::new(&path), &opts).unwrap_or_else(|e| panic!("load {name} as {dtype:?}: {e}"))
+    load_model(&path, &opts).unwrap_or_else(|e| panic!("load {name} as {dtype:?}: {e}"))
 }
 
 /// Index of the first maximum (lowest id on exact ties, like numpy's argmax).

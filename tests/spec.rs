@@ -7,10 +7,10 @@ use std::process::Command;
 use ngram::{NgramConfig, NgramDrafter};
 use specula_models::loader::{load, LoadedModel};
 use specula_models::sampling::SamplingParams;
-use specula_models::{ForwardRequest, LoadOptions};
+use specula_models::{ForwardRequest, LoadOptions, WeightDType};
 use specula_tests::{bin_path, model_path};
 use target_host::generation::{generate, Flow, Generation, GenerationRequest, Speculation, Target};
-use target_host::inprocess::InProcess;
+use target_host::drafter::InProcess;
 use target_host::proposer::{Proposer, ProposerSlot};
 
 /// Logit gap below which two candidates are a tie that float summation order may flip.
@@ -161,8 +161,18 @@ fn ngram_greedy_equals_plain_qwen05b() {
 /// quantized model (up to float summation order), also after a rollback of the cache.
 #[test]
 fn verify_window_matches_stepwise_decoding_smollm2() {
+    for dtype in [WeightDType::F32, WeightDType::Native] {
+        verify_window_matches_stepwise(dtype);
+    }
+}
+
+fn verify_window_matches_stepwise(dtype: WeightDType) {
     let path = model_path("smollm2-135m");
-    let loaded = load(&path, &LoadOptions::default()).expect("load model");
+    let opts = LoadOptions {
+        dtype,
+        ..LoadOptions::default()
+    };
+    let loaded = load(&path, &opts).expect("load model");
     let model = &loaded.model;
     let prompt = loaded
         .tokenizer
@@ -189,7 +199,7 @@ fn verify_window_matches_stepwise_decoding_smollm2() {
     let chunk = rows(&mut chunked, &window, window.len());
     for (i, (a, b)) in steps.iter().zip(&chunk).enumerate() {
         let diff = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-        assert!(diff < 1e-2, "row {i}: chunk and step logits differ by {diff}");
+        assert!(diff < 1e-2, "{dtype:?} row {i}: chunk and step logits differ by {diff}");
         assert_eq!(
             specula_models::sampling::argmax(a),
             specula_models::sampling::argmax(b),

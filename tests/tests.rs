@@ -8,3 +8,4 @@ mod golden;
 mod spec;
 mod server;
 mod tokenizer;
+mod two_model;

@@ -21,7 +21,7 @@ use specula_models::tokenizer::Special;
 use target_host::drafter::{ClientConfig, DrafterClient, DrafterSpec};
 use target_host::drafter_args::target_info;
 use target_host::generation::{generate, Flow, Generation, GenerationRequest, Speculation, Target};
-use target_host::inprocess::InProcess;
+use target_host::drafter::InProcess;
 use target_host::models::{load_model, ModelArgs};
 use target_host::proposer::{Proposer, ProposerSlot, Shared};
 

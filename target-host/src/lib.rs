@@ -8,9 +8,8 @@
 //! | [`generation`] | one request: prefill, draft → verify → commit rounds |
 //! | [`verify`] | greedy acceptance and lossless rejection sampling |
 //! | [`engine`] | the worker thread and request queue behind the server |
-//! | [`drafter`] | drafter processes: spawn, handshake, supervision |
+//! | [`drafter`] | drafter processes: spawn, handshake, supervision; in-process drafters |
 //! | [`drafter_args`] | the `--drafter` command-line options |
-//! | [`inprocess`] | an SDK drafter run inside the host (benchmarks, tests) |
 //! | [`http`] | the OpenAI-compatible server and the admin API |
 
 pub mod drafter;
@@ -18,7 +17,6 @@ pub mod drafter_args;
 pub mod engine;
 pub mod generation;
 pub mod http;
-pub mod inprocess;
 pub mod models;
 pub mod proposer;
 pub mod text;

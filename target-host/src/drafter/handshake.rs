@@ -42,6 +42,8 @@ pub struct Connection {
     pub region: Option<ShmWriter>,
     /// The next request's sequence number.
     pub next_seq: Seq,
+    /// Whether dropping asks the drafter to shut down before killing it.
+    polite: bool,
 }
 
 impl Connection {
@@ -62,10 +64,18 @@ impl Connection {
     }
 }
 
+impl Connection {
+    /// Drops the connection and kills the drafter at once (it is misbehaving or stuck: waiting
+    /// for a polite shutdown would stall the verify loop).
+    pub fn abandon(mut self) {
+        self.polite = false;
+    }
+}
+
 impl Drop for Connection {
     fn drop(&mut self) {
         // Ask politely first; the ChildGuard kills whatever is left.
-        if self.send(Request::Shutdown).is_ok() {
+        if self.polite && self.send(Request::Shutdown).is_ok() {
             self.child.wait_for(Duration::from_millis(100));
         }
     }
@@ -133,6 +143,7 @@ pub fn connect(
         rx: accepted.from_drafter,
         region,
         next_seq: 0,
+        polite: true,
     };
     if let Some(region) = &conn.region {
         let map = MapRegion {

@@ -192,7 +192,9 @@ impl Supervisor {
             return;
         }
         warn!(spec = ?self.spec, reason, "drafter lost; respawning");
-        self.conn = None;
+        if let Some(conn) = self.conn.take() {
+            conn.abandon();
+        }
         self.schedule();
         self.go(DrafterState::Backoff);
     }
