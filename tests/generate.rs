@@ -4,9 +4,7 @@
 use specula_models::sampling::SamplingParams;
 use specula_tests::proposers::{BadProposer, ScriptProposer};
 use specula_tests::tiny::tiny_loaded;
-use target_host::generation::{
-    generate, Flow, Generation, GenerationRequest, Speculation, Target,
-};
+use target_host::generation::{generate, Flow, Generation, GenerationRequest, Speculation, Target};
 use target_host::proposer::{Proposer, ProposerSlot};
 
 fn run(
@@ -23,7 +21,12 @@ fn run(
     generate(&target, &mut cache, &slot, req, &mut |_| Flow::Continue).expect("generate")
 }
 
-fn request(prompt: &[u32], max_tokens: usize, sampling: SamplingParams, k: usize) -> GenerationRequest {
+fn request(
+    prompt: &[u32],
+    max_tokens: usize,
+    sampling: SamplingParams,
+    k: usize,
+) -> GenerationRequest {
     GenerationRequest {
         session: 1,
         prompt_ids: prompt.to_vec(),
@@ -33,7 +36,9 @@ fn request(prompt: &[u32], max_tokens: usize, sampling: SamplingParams, k: usize
         speculation: if k == 0 {
             Speculation::Off
         } else {
-            Speculation::On { num_draft_tokens: k }
+            Speculation::On {
+                num_draft_tokens: k,
+            }
         },
         logprobs: None,
     }
@@ -46,7 +51,11 @@ fn greedy_output_is_independent_of_the_drafter() {
     for arch in ["llama", "qwen2", "qwen3"] {
         let (_dir, loaded) = tiny_loaded(arch, 3);
         let prompt = [5, 17, 33, 8];
-        let plain = run(&loaded, None, &request(&prompt, 40, SamplingParams::default(), 0));
+        let plain = run(
+            &loaded,
+            None,
+            &request(&prompt, 40, SamplingParams::default(), 0),
+        );
         assert!(!plain.token_ids.is_empty(), "{arch}: generated nothing");
         let vocab = loaded.model.config().vocab_size;
         for k in [1, 3, 8] {
@@ -65,9 +74,13 @@ fn greedy_output_is_independent_of_the_drafter() {
             assert_eq!(oracle.token_ids, plain.token_ids, "{arch} k={k}: oracle");
             assert_eq!(oracle.finish_reason, plain.finish_reason);
             let s = &oracle.stats;
-            assert_eq!(s.accepted, s.drafted, "{arch} k={k}: oracle drafts all accepted");
+            assert_eq!(
+                s.accepted, s.drafted,
+                "{arch} k={k}: oracle drafts all accepted"
+            );
             assert!(
-                s.target_forwards < plain.stats.target_forwards || k == 1 && plain.token_ids.len() < 2,
+                s.target_forwards < plain.stats.target_forwards
+                    || k == 1 && plain.token_ids.len() < 2,
                 "{arch} k={k}: {} forwards vs {} plain",
                 s.target_forwards,
                 plain.stats.target_forwards
@@ -82,7 +95,11 @@ fn max_tokens_and_eos_inside_an_accepted_run() {
     let (_dir, loaded) = tiny_loaded("llama", 9);
     let prompt = [7, 40, 41];
     for max in [1, 2, 5, 13] {
-        let plain = run(&loaded, None, &request(&prompt, max, SamplingParams::default(), 0));
+        let plain = run(
+            &loaded,
+            None,
+            &request(&prompt, max, SamplingParams::default(), 0),
+        );
         assert!(plain.token_ids.len() <= max);
         let oracle = run(
             &loaded,
@@ -142,7 +159,11 @@ fn rejection_sampling_keeps_the_target_distribution() {
                 seed: Some(seed),
                 ..SamplingParams::default()
             };
-            let out = run(&loaded, proposer(seed), &request(&prompt, positions, sampling, k));
+            let out = run(
+                &loaded,
+                proposer(seed),
+                &request(&prompt, positions, sampling, k),
+            );
             for (i, &t) in out.token_ids.iter().enumerate() {
                 h[i][t as usize] += 1;
             }
@@ -165,8 +186,17 @@ fn rejection_sampling_keeps_the_target_distribution() {
         }
     }
     // Power: the drafter's q itself is far from the target at position 0.
-    let q = BadProposer::new(vocab, true, 0).q().expect("sampled q").to_vec();
-    let drafts: Vec<usize> = q.iter().map(|p| (p * runs as f32).round() as usize).collect();
+    let q = BadProposer::new(vocab, true, 0)
+        .q()
+        .expect("sampled q")
+        .to_vec();
+    let drafts: Vec<usize> = q
+        .iter()
+        .map(|p| (p * runs as f32).round() as usize)
+        .collect();
     let (stat, df) = chi_square(&plain[0], &drafts);
-    assert!(stat > critical(df), "the test cannot tell q from p: chi2 {stat:.1}");
+    assert!(
+        stat > critical(df),
+        "the test cannot tell q from p: chi2 {stat:.1}"
+    );
 }

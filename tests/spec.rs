@@ -2,15 +2,13 @@
 //! `target-host` binary, and in process) equals greedy output without speculation, except at a
 //! recorded near-tie of the target's top-2 logits.
 
-use std::process::Command;
-
 use ngram::{NgramConfig, NgramDrafter};
 use specula_models::loader::{load, LoadedModel};
 use specula_models::sampling::SamplingParams;
 use specula_models::{ForwardRequest, LoadOptions, WeightDType};
-use specula_tests::{bin_path, model_path};
-use target_host::generation::{generate, Flow, Generation, GenerationRequest, Speculation, Target};
+use specula_tests::{cli_generate, model_path};
 use target_host::drafter::InProcess;
+use target_host::generation::{generate, Flow, Generation, GenerationRequest, Speculation, Target};
 use target_host::proposer::{Proposer, ProposerSlot};
 
 /// Logit gap below which two candidates are a tie that float summation order may flip.
@@ -37,32 +35,6 @@ const PROMPTS: &[(&str, &str)] = &[
     ),
 ];
 
-/// Runs `target-host generate --json` and returns (prompt ids, generated ids).
-fn cli_generate(model: &str, kind: &str, text: &str, drafter: &[&str]) -> (Vec<u32>, Vec<u32>) {
-    let out = Command::new(bin_path("target-host"))
-        .args(["generate", "--model", model, "--json", "--max-tokens"])
-        .arg(MAX_TOKENS.to_string())
-        .arg(format!("--{kind}"))
-        .arg(text)
-        .args(drafter)
-        .output()
-        .expect("run target-host");
-    assert!(
-        out.status.success(),
-        "target-host generate failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("--json output");
-    let ids = |k: &str| -> Vec<u32> {
-        v[k].as_array()
-            .unwrap_or_else(|| panic!("{k} in {v}"))
-            .iter()
-            .map(|x| x.as_u64().expect("id") as u32)
-            .collect()
-    };
-    (ids("prompt_ids"), ids("token_ids"))
-}
-
 fn lib_generate(
     loaded: &LoadedModel,
     prompt_ids: &[u32],
@@ -73,7 +45,9 @@ fn lib_generate(
         tokenizer: &loaded.tokenizer,
     };
     let speculation = match proposer {
-        Some(_) => Speculation::On { num_draft_tokens: 4 },
+        Some(_) => Speculation::On {
+            num_draft_tokens: 4,
+        },
         None => Speculation::Off,
     };
     let slot = ProposerSlot::new(proposer);
@@ -97,16 +71,27 @@ fn top2_gap(loaded: &LoadedModel, context: &[u32]) -> f32 {
         .model
         .prefill(context, &mut cache, &ForwardRequest::default())
         .expect("forward");
-    let mut row: Vec<f32> = out.logits.flatten_all().and_then(|t| t.to_vec1()).expect("logits");
+    let mut row: Vec<f32> = out
+        .logits
+        .flatten_all()
+        .and_then(|t| t.to_vec1())
+        .expect("logits");
     row.sort_by(|a, b| b.total_cmp(a));
     row[0] - row[1]
 }
 
 /// Index of the first difference that is not a near-tie of the target's top-2 logits there.
-fn real_divergence(loaded: &LoadedModel, prompt: &[u32], plain: &[u32], spec: &[u32]) -> Option<usize> {
-    let i = plain.iter().zip(spec).position(|(a, b)| a != b).or_else(|| {
-        (plain.len() != spec.len()).then_some(plain.len().min(spec.len()))
-    })?;
+fn real_divergence(
+    loaded: &LoadedModel,
+    prompt: &[u32],
+    plain: &[u32],
+    spec: &[u32],
+) -> Option<usize> {
+    let i = plain
+        .iter()
+        .zip(spec)
+        .position(|(a, b)| a != b)
+        .or_else(|| (plain.len() != spec.len()).then_some(plain.len().min(spec.len())))?;
     let context: Vec<u32> = prompt.iter().chain(&plain[..i]).copied().collect();
     let gap = top2_gap(loaded, &context);
     if gap < NEAR_TIE {
@@ -123,10 +108,14 @@ fn check_model(name: &str) {
     let loaded = load(&path, &LoadOptions::default()).expect("load model");
     let mut rounds_with_accepts = 0;
     for (kind, text) in PROMPTS {
-        let (prompt_ids, cli_plain) = cli_generate(model, kind, text, &["--no-speculation"]);
-        let (_, cli_spec) = cli_generate(model, kind, text, &["--drafter", "ngram"]);
+        let (prompt_ids, cli_plain) =
+            cli_generate(model, kind, text, MAX_TOKENS, &["--no-speculation"]);
+        let (_, cli_spec) = cli_generate(model, kind, text, MAX_TOKENS, &["--drafter", "ngram"]);
         let plain = lib_generate(&loaded, &prompt_ids, None);
-        assert_eq!(plain.token_ids, cli_plain, "{name}: library and CLI plain decoding differ");
+        assert_eq!(
+            plain.token_ids, cli_plain,
+            "{name}: library and CLI plain decoding differ"
+        );
         let drafter = NgramDrafter::new(NgramConfig::default(), 16);
         let inproc = lib_generate(
             &loaded,
@@ -134,7 +123,10 @@ fn check_model(name: &str) {
             Some(Box::new(InProcess::new(drafter))),
         );
         rounds_with_accepts += usize::from(inproc.stats.accepted > 0);
-        for (label, spec) in [("out-of-process", &cli_spec), ("in-process", &inproc.token_ids)] {
+        for (label, spec) in [
+            ("out-of-process", &cli_spec),
+            ("in-process", &inproc.token_ids),
+        ] {
             assert_eq!(
                 real_divergence(&loaded, &prompt_ids, &plain.token_ids, spec),
                 None,
@@ -144,7 +136,10 @@ fn check_model(name: &str) {
             );
         }
     }
-    assert!(rounds_with_accepts > 0, "{name}: the n-gram drafter never got a draft accepted");
+    assert!(
+        rounds_with_accepts > 0,
+        "{name}: the n-gram drafter never got a draft accepted"
+    );
 }
 
 #[test]
@@ -176,7 +171,10 @@ fn verify_window_matches_stepwise(dtype: WeightDType) {
     let model = &loaded.model;
     let prompt = loaded
         .tokenizer
-        .encode("def total(xs):\n    s = 0\n    for x in xs:\n", specula_models::tokenizer::Special::Parse)
+        .encode(
+            "def total(xs):\n    s = 0\n    for x in xs:\n",
+            specula_models::tokenizer::Special::Parse,
+        )
         .expect("encode");
     let window = [262u32, 479, 3725, 198, 198, 1348];
     let rows = |cache: &mut specula_models::KvCache, chunk: &[u32], k: usize| -> Vec<Vec<f32>> {
@@ -184,22 +182,41 @@ fn verify_window_matches_stepwise(dtype: WeightDType) {
             last_k: k,
             ..ForwardRequest::default()
         };
-        model.forward(chunk, cache, &req).expect("forward").logits.to_vec2().expect("rows")
+        model
+            .forward(chunk, cache, &req)
+            .expect("forward")
+            .logits
+            .to_vec2()
+            .expect("rows")
     };
     let mut stepwise = model.new_cache();
-    model.prefill(&prompt, &mut stepwise, &ForwardRequest::default()).expect("prefill");
+    model
+        .prefill(&prompt, &mut stepwise, &ForwardRequest::default())
+        .expect("prefill");
     let base = stepwise.len();
-    let steps: Vec<Vec<f32>> = window.iter().map(|&t| rows(&mut stepwise, &[t], 1).remove(0)).collect();
+    let steps: Vec<Vec<f32>> = window
+        .iter()
+        .map(|&t| rows(&mut stepwise, &[t], 1).remove(0))
+        .collect();
 
     let mut chunked = model.new_cache();
-    model.prefill(&prompt, &mut chunked, &ForwardRequest::default()).expect("prefill");
+    model
+        .prefill(&prompt, &mut chunked, &ForwardRequest::default())
+        .expect("prefill");
     // A rejected window first, rolled back: it must leave no trace.
     rows(&mut chunked, &[9, 9, 9, 9], 4);
     chunked.truncate(base).expect("truncate");
     let chunk = rows(&mut chunked, &window, window.len());
     for (i, (a, b)) in steps.iter().zip(&chunk).enumerate() {
-        let diff = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-        assert!(diff < 1e-2, "{dtype:?} row {i}: chunk and step logits differ by {diff}");
+        let diff = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            diff < 1e-2,
+            "{dtype:?} row {i}: chunk and step logits differ by {diff}"
+        );
         assert_eq!(
             specula_models::sampling::argmax(a),
             specula_models::sampling::argmax(b),

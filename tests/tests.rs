@@ -2,10 +2,11 @@
 //!
 //! Real models are fetched on first use by `scripts/fetch-model` (see `specula_tests::model_path`).
 
+mod chaos;
 mod drafters;
 mod generate;
 mod golden;
-mod spec;
 mod server;
+mod spec;
 mod tokenizer;
 mod two_model;

@@ -52,7 +52,11 @@ fn main() -> anyhow::Result<()> {
     let t = Instant::now();
     let model: Model = load_model(&args.model, &opts)
         .with_context(|| format!("loading {}", args.model.display()))?;
-    println!("loaded {} ({dtype:?}) in {:.2}s", args.model.display(), t.elapsed().as_secs_f64());
+    println!(
+        "loaded {} ({dtype:?}) in {:.2}s",
+        args.model.display(),
+        t.elapsed().as_secs_f64()
+    );
     let vocab = model.config().vocab_size;
     let prompt = tokens(args.context, vocab);
     let mut cache = model.new_cache();
@@ -75,7 +79,12 @@ fn main() -> anyhow::Result<()> {
         rates.push(args.decode as f64 / t.elapsed().as_secs_f64());
         cache.truncate(args.context)?;
     }
-    println!("decode: {:.1} tok/s (median of {} runs of {})", median(rates), args.runs, args.decode);
+    println!(
+        "decode: {:.1} tok/s (median of {} runs of {})",
+        median(rates),
+        args.runs,
+        args.decode
+    );
 
     let mut base = None;
     for k in [1usize, 2, 4, 8, 16] {
@@ -93,7 +102,11 @@ fn main() -> anyhow::Result<()> {
         }
         let ms = median(times);
         let b = *base.get_or_insert(ms);
-        println!("chunk {k:>2} @ ctx {}: {ms:7.2} ms  ratio {:.2}", args.context, ms / b);
+        println!(
+            "chunk {k:>2} @ ctx {}: {ms:7.2} ms  ratio {:.2}",
+            args.context,
+            ms / b
+        );
     }
     Ok(())
 }

@@ -52,7 +52,12 @@ fn main() -> anyhow::Result<()> {
         for v in rows.iter().flatten() {
             f.write_all(&v.to_le_bytes())?;
         }
-        println!("wrote {} x {} logits to {}", rows.len(), model.config().vocab_size, out.display());
+        println!(
+            "wrote {} x {} logits to {}",
+            rows.len(),
+            model.config().vocab_size,
+            out.display()
+        );
     }
     Ok(())
 }

@@ -165,7 +165,9 @@ impl ModelConfig {
             tie_word_embeddings: !has("output.weight"),
             attention_bias: has("blk.0.attn_q.bias"),
             qk_norm: has("blk.0.attn_q_norm.weight"),
-            bos_token_id: md.opt_usize("tokenizer.ggml.bos_token_id")?.map(|v| v as u32),
+            bos_token_id: md
+                .opt_usize("tokenizer.ggml.bos_token_id")?
+                .map(|v| v as u32),
             eos_token_id: md
                 .opt_usize("tokenizer.ggml.eos_token_id")?
                 .map(|v| vec![v as u32])
@@ -195,13 +197,13 @@ impl ModelConfig {
         {
             return bad(format!("a size in the config is zero: {self:?}"));
         }
-        if self.num_attention_heads % kv != 0 {
+        if !self.num_attention_heads.is_multiple_of(kv) {
             return bad(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {kv}",
                 self.num_attention_heads
             ));
         }
-        if self.head_dim() == 0 || self.head_dim() % 2 != 0 {
+        if self.head_dim() == 0 || !self.head_dim().is_multiple_of(2) {
             return bad(format!("head_dim {} must be even and > 0", self.head_dim()));
         }
         Ok(())
@@ -223,10 +225,13 @@ impl GgufMeta<'_> {
     }
 
     fn get(&self, key: &str) -> Result<&gguf_file::Value> {
-        self.content.metadata.get(key).ok_or_else(|| Error::Missing {
-            what: format!("GGUF metadata key {key}"),
-            path: self.path.to_path_buf(),
-        })
+        self.content
+            .metadata
+            .get(key)
+            .ok_or_else(|| Error::Missing {
+                what: format!("GGUF metadata key {key}"),
+                path: self.path.to_path_buf(),
+            })
     }
 
     fn string(&self, key: &str) -> Result<String> {
@@ -284,7 +289,10 @@ impl GgufMeta<'_> {
                 what: format!("tensor {name}"),
                 path: self.path.to_path_buf(),
             })?;
-        info.shape.dims2().map(|(rows, _)| rows).map_err(|e| self.invalid(e))
+        info.shape
+            .dims2()
+            .map(|(rows, _)| rows)
+            .map_err(|e| self.invalid(e))
     }
 }
 

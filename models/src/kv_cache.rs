@@ -121,14 +121,15 @@ impl KvCache {
         let (kv_heads, head_dim, max_len) = (self.kv_heads, self.head_dim, self.max_len);
         let (dtype, device) = (self.dtype, self.device.clone());
         let n_layers = self.layers.len();
-        let slot = self.layers.get_mut(layer).ok_or_else(|| invalid(
-            "KvCache::append",
-            format!("layer {layer} out of range (cache has {n_layers} layers)"),
-        ))?;
+        let slot = self.layers.get_mut(layer).ok_or_else(|| {
+            invalid(
+                "KvCache::append",
+                format!("layer {layer} out of range (cache has {n_layers} layers)"),
+            )
+        })?;
         for (name, t) in [("k", k), ("v", v)] {
             let dims = t.dims();
-            if dims.len() != 3 || dims[0] != kv_heads || dims[2] != head_dim || t.dtype() != dtype
-            {
+            if dims.len() != 3 || dims[0] != kv_heads || dims[2] != head_dim || t.dtype() != dtype {
                 return Err(invalid(
                     "KvCache::append",
                     format!(
@@ -155,7 +156,10 @@ impl KvCache {
         }
         if needed > slot.capacity {
             // Doubling keeps the amortised cost of growth per token constant.
-            let new_cap = (slot.capacity * 2).max(needed).max(MIN_CAPACITY).min(max_len);
+            let new_cap = (slot.capacity * 2)
+                .max(needed)
+                .max(MIN_CAPACITY)
+                .min(max_len);
             let shape = (kv_heads, new_cap, head_dim);
             let nk = Tensor::zeros(shape, dtype, &device)?;
             let nv = Tensor::zeros(shape, dtype, &device)?;
@@ -190,8 +194,9 @@ impl KvCache {
                     .expect("invariant: len <= capacity"),
             ),
             None => {
-                let empty = Tensor::zeros((self.kv_heads, 0, self.head_dim), self.dtype, &self.device)
-                    .expect("invariant: an empty tensor can always be created");
+                let empty =
+                    Tensor::zeros((self.kv_heads, 0, self.head_dim), self.dtype, &self.device)
+                        .expect("invariant: an empty tensor can always be created");
                 (empty.clone(), empty)
             }
         }
@@ -248,7 +253,12 @@ mod tests {
     }
 
     fn positions(t: &Tensor) -> Vec<Vec<f32>> {
-        t.narrow(2, 0, 1).unwrap().squeeze(2).unwrap().to_vec2().unwrap()
+        t.narrow(2, 0, 1)
+            .unwrap()
+            .squeeze(2)
+            .unwrap()
+            .to_vec2()
+            .unwrap()
     }
 
     #[test]
@@ -291,10 +301,16 @@ mod tests {
         assert!(c.append(1, &chunk(0, 1), &chunk(0, 1)).is_err(), "layer");
         let wrong = Tensor::zeros((1, 1, 3), DType::F32, &Device::Cpu).unwrap();
         assert!(c.append(0, &wrong, &wrong).is_err(), "heads");
-        assert!(c.append(0, &chunk(0, 2), &chunk(0, 1)).is_err(), "k/v lengths");
+        assert!(
+            c.append(0, &chunk(0, 2), &chunk(0, 1)).is_err(),
+            "k/v lengths"
+        );
         c.append(0, &chunk(0, 8), &chunk(0, 8)).unwrap();
         assert_eq!(c.capacity(), 8, "capped at max_len");
         let err = c.append(0, &chunk(8, 1), &chunk(8, 1)).unwrap_err();
-        assert!(matches!(err, Error::ContextOverflow { got: 9, max: 8 }), "{err}");
+        assert!(
+            matches!(err, Error::ContextOverflow { got: 9, max: 8 }),
+            "{err}"
+        );
     }
 }

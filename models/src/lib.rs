@@ -20,6 +20,6 @@ pub mod weights;
 
 pub use error::{Error, Result};
 pub use kv_cache::KvCache;
-pub use loader::{load_model, LoadOptions};
+pub use loader::{load, load_model, LoadOptions, LoadedModel};
 pub use model::{ForwardOutput, ForwardRequest, Model, TapId};
 pub use weights::WeightDType;

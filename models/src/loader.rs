@@ -55,7 +55,8 @@ fn invalid(path: &Path, reason: impl Into<String>) -> Error {
 
 /// Whether `path` names a GGUF file (by extension) rather than an HF directory.
 fn is_gguf(path: &Path) -> bool {
-    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
 }
 
 /// Reads and checks a GGUF header: every tensor must lie inside the file.
@@ -97,8 +98,8 @@ fn safetensors_shards(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(io(&index))?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| invalid(&index, format!("not JSON: {e}")))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| invalid(&index, format!("not JSON: {e}")))?;
         let map = json
             .get("weight_map")
             .and_then(|m| m.as_object())
@@ -199,7 +200,11 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         // The header is parsed once: tokenizer and template come from the same metadata.
         let tokenizer = crate::tokenizer::Tokenizer::from_gguf(&content)?;
         let chat_template = crate::chat::ChatTemplate::from_gguf(&content, &tokenizer)?;
-        (load_gguf_model(path, content, file, opts)?, tokenizer, chat_template)
+        (
+            load_gguf_model(path, content, file, opts)?,
+            tokenizer,
+            chat_template,
+        )
     } else {
         let model = load_hf_model(path, opts)?;
         let tokenizer = crate::tokenizer::Tokenizer::from_hf_dir(path)?;

@@ -80,13 +80,19 @@ impl TinyModel {
     /// If a tensor cannot be built.
     pub fn with_config(config: ModelConfig, seed: u64) -> Result<Self> {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        let (h, hd, i) = (config.hidden_size, config.head_dim(), config.intermediate_size);
+        let (h, hd, i) = (
+            config.hidden_size,
+            config.head_dim(),
+            config.intermediate_size,
+        );
         let (q, kv) = (config.num_attention_heads * hd, config.kv_heads() * hd);
         let mut tensors = Vec::new();
         // Scale 1/sqrt(in) keeps activations O(1) so logits are not all saturated.
         let mut mat = |name: String, out: usize, inp: usize| -> Result<()> {
             let s = 1.0 / (inp as f32).sqrt();
-            let data: Vec<f32> = (0..out * inp).map(|_| rng.random_range(-s..s) * 1.7).collect();
+            let data: Vec<f32> = (0..out * inp)
+                .map(|_| rng.random_range(-s..s) * 1.7)
+                .collect();
             tensors.push((name, Tensor::from_vec(data, (out, inp), &Device::Cpu)?));
             Ok(())
         };
@@ -118,7 +124,9 @@ impl TinyModel {
             mat("lm_head.weight".into(), config.vocab_size, h)?;
         }
         for (name, d, center) in vectors {
-            let data: Vec<f32> = (0..d).map(|_| center + rng.random_range(-0.3..0.3)).collect();
+            let data: Vec<f32> = (0..d)
+                .map(|_| center + rng.random_range(-0.3..0.3))
+                .collect();
             tensors.push((name, Tensor::from_vec(data, d, &Device::Cpu)?));
         }
         Ok(Self { config, tensors })
@@ -184,12 +192,27 @@ impl TinyModel {
             ("general.architecture".into(), Value::String(arch.into())),
             (format!("{arch}.block_count"), u32v(cfg.num_hidden_layers)),
             (format!("{arch}.embedding_length"), u32v(cfg.hidden_size)),
-            (format!("{arch}.feed_forward_length"), u32v(cfg.intermediate_size)),
-            (format!("{arch}.attention.head_count"), u32v(cfg.num_attention_heads)),
-            (format!("{arch}.attention.head_count_kv"), u32v(cfg.kv_heads())),
+            (
+                format!("{arch}.feed_forward_length"),
+                u32v(cfg.intermediate_size),
+            ),
+            (
+                format!("{arch}.attention.head_count"),
+                u32v(cfg.num_attention_heads),
+            ),
+            (
+                format!("{arch}.attention.head_count_kv"),
+                u32v(cfg.kv_heads()),
+            ),
             (format!("{arch}.attention.key_length"), u32v(cfg.head_dim())),
-            (format!("{arch}.context_length"), u32v(cfg.max_position_embeddings)),
-            (format!("{arch}.rope.freq_base"), Value::F32(cfg.rope_theta as f32)),
+            (
+                format!("{arch}.context_length"),
+                u32v(cfg.max_position_embeddings),
+            ),
+            (
+                format!("{arch}.rope.freq_base"),
+                Value::F32(cfg.rope_theta as f32),
+            ),
             (
                 format!("{arch}.attention.layer_norm_rms_epsilon"),
                 Value::F32(cfg.rms_norm_eps as f32),
@@ -215,8 +238,7 @@ fn permute_rows(w: &Tensor, n_head: usize) -> Result<Tensor> {
     let dims = w.dims().to_vec();
     let rows = dims[0];
     let rest: usize = dims[1..].iter().product();
-    Ok(w
-        .reshape((n_head, 2, rows / n_head / 2, rest))?
+    Ok(w.reshape((n_head, 2, rows / n_head / 2, rest))?
         .transpose(1, 2)?
         .contiguous()?
         .reshape(dims)?)

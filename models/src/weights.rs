@@ -153,8 +153,9 @@ impl Weights {
     /// Whether the checkpoint has the tensor of HF name `hf`.
     pub fn contains(&self, hf: &str) -> bool {
         match &self.source {
-            Source::Gguf { content, .. } => gguf_name(hf)
-                .is_some_and(|n| content.tensor_infos.contains_key(&n)),
+            Source::Gguf { content, .. } => {
+                gguf_name(hf).is_some_and(|n| content.tensor_infos.contains_key(&n))
+            }
             Source::Safetensors(st) => st.get(hf).is_ok(),
         }
     }
@@ -196,12 +197,13 @@ impl Weights {
         match &mut self.source {
             Source::Gguf { content, file } => {
                 let name = gguf_name(hf).expect("invariant: contains() mapped the name");
-                let q = content
-                    .tensor(file, &name, &self.device)
-                    .map_err(|e| Error::InvalidModel {
-                        path: self.path.clone(),
-                        reason: format!("tensor {name}: {e}"),
-                    })?;
+                let q =
+                    content
+                        .tensor(file, &name, &self.device)
+                        .map_err(|e| Error::InvalidModel {
+                            path: self.path.clone(),
+                            reason: format!("tensor {name}: {e}"),
+                        })?;
                 match self.dtype {
                     WeightDType::Native => Ok(Raw::Quantized(Arc::new(q))),
                     _ => {
@@ -318,7 +320,10 @@ mod tests {
     #[test]
     fn dtype_parses_and_names_map() {
         assert_eq!("BF16".parse::<WeightDType>().unwrap(), WeightDType::Bf16);
-        assert_eq!("native".parse::<WeightDType>().unwrap(), WeightDType::Native);
+        assert_eq!(
+            "native".parse::<WeightDType>().unwrap(),
+            WeightDType::Native
+        );
         let err = "q4".parse::<WeightDType>().unwrap_err().to_string();
         assert!(err.contains("native, f32, f16, bf16"), "{err}");
         assert_eq!(
@@ -329,7 +334,10 @@ mod tests {
             gguf_name("model.layers.0.self_attn.q_proj.bias").as_deref(),
             Some("blk.0.attn_q.bias")
         );
-        assert_eq!(gguf_name("lm_head.weight").as_deref(), Some("output.weight"));
+        assert_eq!(
+            gguf_name("lm_head.weight").as_deref(),
+            Some("output.weight")
+        );
         assert_eq!(gguf_name("model.layers.0.unknown.weight"), None);
     }
 }

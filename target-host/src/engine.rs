@@ -159,8 +159,11 @@ fn worker(
             if let Err(e) = &result {
                 tracing::warn!(session = job.req.session, "generation failed: {e}");
             }
+            // The request leaves the queue before its client hears it is done.
+            queued.fetch_sub(1, Ordering::SeqCst);
             let _ = job.events.send(Event::Done(result));
+        } else {
+            queued.fetch_sub(1, Ordering::SeqCst);
         }
-        queued.fetch_sub(1, Ordering::SeqCst);
     }
 }

@@ -4,7 +4,6 @@
 pub mod proposers;
 pub mod tiny;
 
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
@@ -55,4 +54,40 @@ pub fn bin_path(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// Runs `target-host generate --json --model MODEL --KIND TEXT EXTRA...` (KIND: `prompt` or
+/// `chat`) and returns (prompt ids, generated ids).
+///
+/// # Panics
+/// When the command fails or prints no JSON.
+pub fn cli_generate(
+    model: &str,
+    kind: &str,
+    text: &str,
+    max_tokens: usize,
+    extra: &[&str],
+) -> (Vec<u32>, Vec<u32>) {
+    let out = Command::new(bin_path("target-host"))
+        .args(["generate", "--model", model, "--json", "--max-tokens"])
+        .arg(max_tokens.to_string())
+        .arg(format!("--{kind}"))
+        .arg(text)
+        .args(extra)
+        .output()
+        .expect("run target-host");
+    assert!(
+        out.status.success(),
+        "target-host generate failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("--json output");
+    let ids = |k: &str| -> Vec<u32> {
+        v[k].as_array()
+            .unwrap_or_else(|| panic!("{k} in {v}"))
+            .iter()
+            .map(|x| x.as_u64().expect("id") as u32)
+            .collect()
+    };
+    (ids("prompt_ids"), ids("token_ids"))
 }

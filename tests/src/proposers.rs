@@ -18,7 +18,9 @@ impl BadProposer {
     /// A bad proposer over `vocab` ids.
     pub fn new(vocab: usize, sampled: bool, seed: u64) -> Self {
         let q = sampled.then(|| {
-            let mut q: Vec<f32> = (0..vocab).map(|i| if i % 7 == 3 { 8.0 } else { 0.2 }).collect();
+            let mut q: Vec<f32> = (0..vocab)
+                .map(|i| if i % 7 == 3 { 8.0 } else { 0.2 })
+                .collect();
             let s: f32 = q.iter().sum();
             q.iter_mut().for_each(|x| *x /= s);
             q

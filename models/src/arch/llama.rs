@@ -86,10 +86,26 @@ impl Llama {
                 }
             };
             let self_attn = Attention {
-                q_proj: weights.linear(&format!("{p}.self_attn.q_proj"), (n_heads * hd, h), qkv_bias)?,
-                k_proj: weights.linear(&format!("{p}.self_attn.k_proj"), (kv_heads * hd, h), qkv_bias)?,
-                v_proj: weights.linear(&format!("{p}.self_attn.v_proj"), (kv_heads * hd, h), qkv_bias)?,
-                o_proj: weights.linear(&format!("{p}.self_attn.o_proj"), (h, n_heads * hd), Bias::IfPresent)?,
+                q_proj: weights.linear(
+                    &format!("{p}.self_attn.q_proj"),
+                    (n_heads * hd, h),
+                    qkv_bias,
+                )?,
+                k_proj: weights.linear(
+                    &format!("{p}.self_attn.k_proj"),
+                    (kv_heads * hd, h),
+                    qkv_bias,
+                )?,
+                v_proj: weights.linear(
+                    &format!("{p}.self_attn.v_proj"),
+                    (kv_heads * hd, h),
+                    qkv_bias,
+                )?,
+                o_proj: weights.linear(
+                    &format!("{p}.self_attn.o_proj"),
+                    (h, n_heads * hd),
+                    Bias::IfPresent,
+                )?,
                 q_norm: qk_norm(weights, "q_norm")?,
                 k_norm: qk_norm(weights, "k_norm")?,
                 n_heads,
@@ -103,7 +119,10 @@ impl Llama {
                 down_proj: weights.linear(&format!("{p}.mlp.down_proj"), (h, i), Bias::No)?,
             };
             layers.push(Block {
-                input_layernorm: RmsNorm::new(weights.vector(&format!("{p}.input_layernorm.weight"))?, eps)?,
+                input_layernorm: RmsNorm::new(
+                    weights.vector(&format!("{p}.input_layernorm.weight"))?,
+                    eps,
+                )?,
                 self_attn,
                 post_attention_layernorm: RmsNorm::new(
                     weights.vector(&format!("{p}.post_attention_layernorm.weight"))?,
@@ -117,7 +136,13 @@ impl Llama {
         }
         let norm = RmsNorm::new(weights.vector("model.norm.weight")?, eps)?;
         let device = weights.device().clone();
-        let rope = Rope::new(hd, cfg.max_position_embeddings, cfg.rope_theta, rope, &device)?;
+        let rope = Rope::new(
+            hd,
+            cfg.max_position_embeddings,
+            cfg.rope_theta,
+            rope,
+            &device,
+        )?;
         Ok(Self {
             embed_tokens,
             layers,
@@ -172,14 +197,18 @@ impl Llama {
                 l,
             )?;
             let h = (xs + attn)?;
-            let mlp = block.mlp.forward(&block.post_attention_layernorm.forward(&h)?)?;
+            let mlp = block
+                .mlp
+                .forward(&block.post_attention_layernorm.forward(&h)?)?;
             xs = (h + mlp)?;
             record(TapId::Layer(l), &xs)?;
         }
         let xs = self.norm.forward(&xs)?;
         record(TapId::FinalNorm, &xs)?;
         let logits = match rows.logits_from < seq {
-            true => Some(self.lm_head(&xs.narrow(0, rows.logits_from, seq - rows.logits_from)?)?),
+            true => {
+                Some(self.lm_head(&xs.narrow(0, rows.logits_from, seq - rows.logits_from)?)?)
+            }
             false => None,
         };
         Ok(ChunkOutput { logits, taps })

@@ -92,8 +92,16 @@ impl Attention {
     ) -> Result<Tensor> {
         let seq = xs.dim(0)?;
         let pos = cache.layer_len(layer);
-        let q = self.heads(&self.q_proj.forward(xs)?, self.n_heads, self.q_norm.as_ref())?;
-        let k = self.heads(&self.k_proj.forward(xs)?, self.kv_heads, self.k_norm.as_ref())?;
+        let q = self.heads(
+            &self.q_proj.forward(xs)?,
+            self.n_heads,
+            self.q_norm.as_ref(),
+        )?;
+        let k = self.heads(
+            &self.k_proj.forward(xs)?,
+            self.kv_heads,
+            self.k_norm.as_ref(),
+        )?;
         let v = self.heads(&self.v_proj.forward(xs)?, self.kv_heads, None)?;
         let q = rope.apply(&q, pos)?;
         let k = rope.apply(&k, pos)?;

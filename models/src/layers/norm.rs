@@ -29,6 +29,10 @@ impl RmsNorm {
     /// # Errors
     /// On a shape mismatch with the weight.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        Ok(candle_nn::ops::rms_norm(&xs.contiguous()?, &self.weight, self.eps)?)
+        Ok(candle_nn::ops::rms_norm(
+            &xs.contiguous()?,
+            &self.weight,
+            self.eps,
+        )?)
     }
 }

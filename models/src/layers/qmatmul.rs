@@ -89,7 +89,10 @@ fn unpack(dtype: GgmlDType, block: &[u8], q: &mut [i8; QK]) -> (f32, f32) {
 
 #[inline(always)]
 fn dot_i8(a: &[i8; QK], b: &[i8; QK]) -> i32 {
-    a.iter().zip(b).map(|(&x, &y)| x as i16 as i32 * y as i16 as i32).sum()
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| x as i16 as i32 * y as i16 as i32)
+        .sum()
 }
 
 /// Dot products of weight rows `rows` (of `n`) against all activation rows; writes
@@ -193,7 +196,9 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     fn randn(rng: &mut rand::rngs::StdRng, shape: (usize, usize)) -> Tensor {
-        let data: Vec<f32> = (0..shape.0 * shape.1).map(|_| rng.random_range(-2.0..2.0)).collect();
+        let data: Vec<f32> = (0..shape.0 * shape.1)
+            .map(|_| rng.random_range(-2.0..2.0))
+            .collect();
         Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
     }
 
@@ -224,8 +229,17 @@ mod tests {
                     .to_scalar::<f32>()
                     .unwrap();
                 // Both quantize activations to 8 bits; candle rounds the scales to f16.
-                let scale = theirs.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-                assert!(diff < 2e-3 * scale, "{dtype:?} m={m}: {diff} (max |y| {scale})");
+                let scale = theirs
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                assert!(
+                    diff < 2e-3 * scale,
+                    "{dtype:?} m={m}: {diff} (max |y| {scale})"
+                );
             }
         }
         let bad = Tensor::zeros((2, 64), candle_core::DType::F32, &Device::Cpu).unwrap();

@@ -106,7 +106,13 @@ mod tests {
         let inter = Rope::new(d, 16, 10_000.0, RopeStyle::Interleaved, &Device::Cpu).unwrap();
         // half-split index of interleaved slot j: 2i -> i, 2i+1 -> i + d/2.
         let perm: Vec<u32> = (0..d as u32)
-            .map(|j| if j % 2 == 0 { j / 2 } else { j / 2 + d as u32 / 2 })
+            .map(|j| {
+                if j % 2 == 0 {
+                    j / 2
+                } else {
+                    j / 2 + d as u32 / 2
+                }
+            })
             .collect();
         let perm = Tensor::new(perm, &Device::Cpu).unwrap();
         let a = half.apply(&xs, 5).unwrap().index_select(&perm, 2).unwrap();
@@ -116,6 +122,14 @@ mod tests {
         let a0 = half.apply(&xs, 0).unwrap();
         // Position 0 is the identity rotation only for the first row.
         let row0 = (a0.narrow(1, 0, 1).unwrap() - xs.narrow(1, 0, 1).unwrap()).unwrap();
-        assert_eq!(row0.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+        assert_eq!(
+            row0.abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap(),
+            0.0
+        );
     }
 }

@@ -125,7 +125,12 @@ impl Model {
     }
 
     fn check(&self, tokens: &[u32], cache: &KvCache, req: &ForwardRequest) -> Result<()> {
-        let bad = |reason: String| Err(Error::InvalidRequest { op: "forward", reason });
+        let bad = |reason: String| {
+            Err(Error::InvalidRequest {
+                op: "forward",
+                reason,
+            })
+        };
         if tokens.is_empty() {
             return bad("no tokens".into());
         }

@@ -73,22 +73,33 @@ fn chunk_equals_single_steps() {
         let dir = TempDir::new();
         let m = hf_model(arch, 1, &dir);
         let mut c1 = m.new_cache();
-        m.forward(&PROMPT[..4], &mut c1, &Default::default()).unwrap();
+        m.forward(&PROMPT[..4], &mut c1, &Default::default())
+            .unwrap();
         let chunk = m.forward(&[7, 9, 11], &mut c1, &last_k(3)).unwrap().logits;
         assert_eq!(chunk.dims(), &[3, 96]);
 
         let mut c2 = m.new_cache();
-        m.forward(&PROMPT[..4], &mut c2, &Default::default()).unwrap();
+        m.forward(&PROMPT[..4], &mut c2, &Default::default())
+            .unwrap();
         let steps: Vec<Tensor> = [7, 9, 11]
             .iter()
-            .map(|&t| m.forward(&[t], &mut c2, &Default::default()).unwrap().logits)
+            .map(|&t| {
+                m.forward(&[t], &mut c2, &Default::default())
+                    .unwrap()
+                    .logits
+            })
             .collect();
         let steps = Tensor::cat(&steps, 0).unwrap();
         assert!(max_diff(&chunk, &steps) < 1e-4, "{arch}");
         assert_eq!(c1.len(), 7);
         assert_eq!(c2.len(), 7);
         // The logits depend on the context: not a degenerate model.
-        assert!(max_diff(&chunk.narrow(0, 0, 1).unwrap(), &chunk.narrow(0, 1, 1).unwrap()) > 1e-3);
+        assert!(
+            max_diff(
+                &chunk.narrow(0, 0, 1).unwrap(),
+                &chunk.narrow(0, 1, 1).unwrap()
+            ) > 1e-3
+        );
     }
 }
 
@@ -129,7 +140,10 @@ fn taps_shapes_and_final_norm_gives_logits() {
     }
     let from_tap = m.lm_head(&out.taps[0].1).unwrap();
     assert!(max_diff(&from_tap, &out.logits) < 1e-5);
-    assert!(max_diff(&out.taps[1].1, &out.taps[2].1) > 1e-3, "layers differ");
+    assert!(
+        max_diff(&out.taps[1].1, &out.taps[2].1) > 1e-3,
+        "layers differ"
+    );
 
     // All positions, computed in prefill chunks of 3, match one forward.
     let all = ForwardRequest {
@@ -154,7 +168,10 @@ fn taps_shapes_and_final_norm_gives_logits() {
 
     // last_k spanning a chunk boundary (chunk 3: rows 3..6 | 6) and last_k 0.
     let mut c3 = chunked.new_cache();
-    let span = chunked.prefill(&PROMPT, &mut c3, &last_k(5)).unwrap().logits;
+    let span = chunked
+        .prefill(&PROMPT, &mut c3, &last_k(5))
+        .unwrap()
+        .logits;
     let mut c4 = m.new_cache();
     let whole = m.forward(&PROMPT, &mut c4, &last_k(5)).unwrap().logits;
     assert!(max_diff(&span, &whole) < 1e-4);
@@ -216,7 +233,10 @@ fn gguf_and_hf_dir_give_equal_logits() {
         let hf = load_model(dir.path(), &LoadOptions::default()).unwrap();
         let gg = load_model(&gguf, &LoadOptions::default()).unwrap();
         assert_eq!(hf.config().num_hidden_layers, gg.config().num_hidden_layers);
-        assert_eq!(hf.config().tie_word_embeddings, gg.config().tie_word_embeddings);
+        assert_eq!(
+            hf.config().tie_word_embeddings,
+            gg.config().tie_word_embeddings
+        );
         let run = |m: &Model| {
             let mut c = m.new_cache();
             m.forward(&PROMPT, &mut c, &last_k(3)).unwrap().logits
@@ -252,6 +272,16 @@ fn quantized_gguf_native_and_dequantized_agree() {
     assert!(max_diff(&f32, &hf) < 0.05);
     let b_err = max_diff(&bf16, &hf);
     assert!(b_err > 0.0 && b_err < 0.1, "{b_err}");
+    // Q4_1 / Q5_0 run through layers::qmatmul: native must match the dequantized weights.
+    for dtype in [GgmlDType::Q4_1, GgmlDType::Q5_0] {
+        let path = dir.path().join(format!("tiny-{dtype:?}.gguf"));
+        tiny.write_gguf(&path, dtype).unwrap();
+        let err = max_diff(
+            &run(&path, WeightDType::Native),
+            &run(&path, WeightDType::F32),
+        );
+        assert!(err < 0.05, "{dtype:?}: {err}");
+    }
 }
 
 #[test]
@@ -318,12 +348,30 @@ fn truncated_or_missing_files_give_clear_errors() {
 fn missing_tensor_is_named() {
     let dir = TempDir::new();
     let mut tiny = TinyModel::new("qwen3", 8).unwrap();
-    tiny.tensors.retain(|(n, _)| n != "model.layers.1.self_attn.k_norm.weight");
+    tiny.tensors
+        .retain(|(n, _)| n != "model.layers.1.self_attn.k_norm.weight");
     let gguf = dir.path().join("tiny.gguf");
     tiny.write_gguf(&gguf, GgmlDType::F32).unwrap();
     let err = load_model(&gguf, &LoadOptions::default()).unwrap_err();
     assert!(
         matches!(&err, Error::Missing { what, .. } if what.contains("blk.1.attn_k_norm.weight")),
+        "{err}"
+    );
+}
+
+#[test]
+fn load_without_tokenizer_metadata_is_a_tokenizer_error() {
+    let dir = TempDir::new();
+    let gguf = dir.path().join("tiny.gguf");
+    TinyModel::new("llama", 9)
+        .unwrap()
+        .write_gguf(&gguf, GgmlDType::F32)
+        .unwrap();
+    let err = crate::loader::load(&gguf, &LoadOptions::default())
+        .err()
+        .expect("no tokenizer in a weights-only GGUF");
+    assert!(
+        matches!(err, Error::Tokenizer(_) | Error::Missing { .. }),
         "{err}"
     );
 }
