@@ -153,7 +153,7 @@ fn ngram_greedy_equals_plain_qwen05b() {
 }
 
 /// The verify window: logits of a chunk forward equal those of one-token steps on the real
-/// quantized model (up to float summation order), also after a rollback of the cache.
+/// model (bit for bit when quantized), also after a rollback of the cache.
 #[test]
 fn verify_window_matches_stepwise_decoding_smollm2() {
     for dtype in [WeightDType::F32, WeightDType::Native] {

@@ -43,6 +43,10 @@ pub struct Attention {
     pub head_dim: usize,
 }
 
+/// Chunks up to this many rows (verify windows) attend row by row; longer ones (prefill) use
+/// one masked product.
+const ROW_WISE_MAX_ROWS: usize = 16;
+
 /// The additive causal mask `[seq, cache_len + seq]` for a chunk of `seq` rows after
 /// `cache_len` cached positions, or `None` when a single row needs no mask.
 ///
@@ -106,8 +110,29 @@ impl Attention {
         let q = rope.apply(&q, pos)?;
         let k = rope.apply(&k, pos)?;
         let (k, v) = cache.append(layer, &k, &v)?;
-        let total = k.dim(1)?;
+        let out = if seq > 1 && seq <= ROW_WISE_MAX_ROWS {
+            // Verify windows attend row by row, each with exactly the shapes of a one-token
+            // decode step, so a verified token's logits are bit-identical to plain decoding's:
+            // quantized activations would amplify a different summation order into visibly
+            // different logits, and speculation must never change the output.
+            let rows = (0..seq)
+                .map(|i| {
+                    let len = pos + i + 1;
+                    self.attend(&q.narrow(1, i, 1)?, &k.narrow(1, 0, len)?, &v.narrow(1, 0, len)?, None)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Tensor::cat(&rows, 0)?
+        } else {
+            self.attend(&q, &k, &v, mask)?
+        };
+        self.o_proj.forward(&out)
+    }
 
+    /// Softmax attention of `q` `[n_heads, seq, d]` over `k`, `v` `[kv_heads, total, d]`
+    /// (with an additive `mask` `[seq, total]`), returning `[seq, n_heads * d]`.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+        let seq = q.dim(1)?;
+        let total = k.dim(1)?;
         let groups = self.n_heads / self.kv_heads;
         let q = q.reshape((self.kv_heads, groups * seq, self.head_dim))?;
         let scale = 1.0 / (self.head_dim as f64).sqrt();
@@ -121,12 +146,11 @@ impl Attention {
             None => scores,
         };
         let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        let out = probs.matmul(&v)?; // [kv_heads, groups*seq, d]
-        let out = out
+        let out = probs.matmul(v)?; // [kv_heads, groups*seq, d]
+        Ok(out
             .reshape((self.n_heads, seq, self.head_dim))?
             .transpose(0, 1)?
-            .reshape((seq, self.n_heads * self.head_dim))?;
-        self.o_proj.forward(&out)
+            .reshape((seq, self.n_heads * self.head_dim))?)
     }
 }
 

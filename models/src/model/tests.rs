@@ -276,11 +276,17 @@ fn quantized_gguf_native_and_dequantized_agree() {
     for dtype in [GgmlDType::Q4_1, GgmlDType::Q5_0] {
         let path = dir.path().join(format!("tiny-{dtype:?}.gguf"));
         tiny.write_gguf(&path, dtype).unwrap();
-        let err = max_diff(
-            &run(&path, WeightDType::Native),
-            &run(&path, WeightDType::F32),
-        );
-        assert!(err < 0.05, "{dtype:?}: {err}");
+        let exact = run(&path, WeightDType::F32);
+        let err = max_diff(&run(&path, WeightDType::Native), &exact);
+        // Only the 8-bit activations differ: about 1% of the logit range.
+        let scale = exact
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(err < 0.02 * scale, "{dtype:?}: {err} (max |logit| {scale})");
     }
 }
 
