@@ -83,3 +83,38 @@ fn taps_reach_a_drafter_from_the_real_model() {
     );
     assert!(!log.contains("torn"), "torn taps: {log}");
 }
+
+/// A drafter path that names no runnable program is the user's error: a clear message and a
+/// non-zero exit. A drafter that runs but speaks another protocol major is logged, naming
+/// both versions, and generation goes on without speculation.
+#[test]
+fn bad_drafter_paths_and_old_protocols() {
+    let path = model_path("smollm2-135m");
+    let model = path.to_str().expect("utf-8 path");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let not_exec = dir.path().join("drafter.txt");
+    std::fs::write(&not_exec, "not a program").expect("write");
+    let missing = dir.path().join("no-such-drafter");
+    for (drafter, expected) in [
+        (missing.to_str().expect("utf-8"), "not found"),
+        (not_exec.to_str().expect("utf-8"), "not an executable"),
+    ] {
+        let out = std::process::Command::new(specula_tests::bin_path("target-host"))
+            .args(["generate", "--model", model, "--prompt", "Hi", "--max-tokens", "2"])
+            .args(["--drafter", drafter])
+            .output()
+            .expect("run target-host");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{drafter}: should fail");
+        assert!(stderr.contains(expected), "{drafter}: stderr lacks {expected:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    let out = std::process::Command::new(specula_tests::bin_path("target-host"))
+        .args(["generate", "--model", model, "--prompt", "Hi", "--max-tokens", "4"])
+        .args(["--drafter", "chaos-drafter", "--drafter-arg=--mode", "--drafter-arg=wrong-major"])
+        .output()
+        .expect("run target-host");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("2.0") && stderr.contains("1.0"), "versions not named: {stderr}");
+}

@@ -56,8 +56,14 @@ impl DrafterArgs {
         };
         let spec = DrafterSpec::new(path).with_args(self.drafter_args.iter().cloned());
         let target = target_info(&loaded.model, &loaded.tokenizer);
-        let client = DrafterClient::start(spec, target, self.client_config())
-            .with_context(|| format!("starting drafter {path}"))?;
+        let client = match DrafterClient::start(spec, target, self.client_config()) {
+            Ok(client) => client,
+            Err(e) if e.is_handshake_failure() => {
+                tracing::warn!("{e}; continuing without speculation");
+                return Ok((None, Speculation::Off));
+            }
+            Err(e) => return Err(e).with_context(|| format!("starting drafter {path}")),
+        };
         let speculation = Speculation::On {
             num_draft_tokens: self.num_draft_tokens.max(1),
         };

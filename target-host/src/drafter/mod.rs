@@ -105,6 +105,20 @@ pub enum DrafterError {
     },
 }
 
+impl DrafterError {
+    /// Whether the drafter started but could not agree with this host (old protocol, refused
+    /// target, died or hung in the handshake). The host then serves without drafting; a path
+    /// that names no runnable program is the user's error instead.
+    pub fn is_handshake_failure(&self) -> bool {
+        !matches!(
+            self,
+            DrafterError::NotFound { .. }
+                | DrafterError::NotExecutable { .. }
+                | DrafterError::Spawn { .. }
+        )
+    }
+}
+
 /// Deadlines and limits of a [`DrafterClient`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClientConfig {

@@ -39,6 +39,7 @@ use specula_models::tokenizer::{Special, Tokenizer};
 use self::admin::Admin;
 use self::error::ApiError;
 use self::metrics::Metrics;
+use crate::drafter::DrafterError;
 use crate::drafter_args::DrafterArgs;
 use crate::engine::Engine;
 use crate::generation::Speculation;
@@ -111,7 +112,17 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let engine = Engine::start(loaded, None);
     let launcher = launch::launcher(&engine, &args.drafter);
     let first = match (&args.drafter.drafter, args.drafter.no_speculation) {
-        (Some(path), false) => Some((path.clone(), launcher(path, &args.drafter.drafter_args)?)),
+        (Some(path), false) => match launcher(path, &args.drafter.drafter_args) {
+            Ok(launched) => Some((path.clone(), launched)),
+            Err(e)
+                if e.downcast_ref::<DrafterError>()
+                    .is_some_and(DrafterError::is_handshake_failure) =>
+            {
+                tracing::warn!("{e}; serving without speculation");
+                None
+            }
+            Err(e) => return Err(e.context(format!("starting drafter {path}"))),
+        },
         _ => None,
     };
     let admin = Admin::new(
