@@ -155,14 +155,16 @@ fn ngram_greedy_equals_plain_qwen05b() {
 /// The verify window: logits of a chunk forward equal those of one-token steps on the real
 /// model (bit for bit when quantized), also after a rollback of the cache.
 #[test]
-fn verify_window_matches_stepwise_decoding_smollm2() {
-    for dtype in [WeightDType::F32, WeightDType::Native] {
-        verify_window_matches_stepwise(dtype);
+fn verify_window_matches_stepwise_decoding() {
+    for model in ["smollm2-135m", "qwen2.5-coder-0.5b"] {
+        for dtype in [WeightDType::F32, WeightDType::Native] {
+            verify_window_matches_stepwise(model, dtype);
+        }
     }
 }
 
-fn verify_window_matches_stepwise(dtype: WeightDType) {
-    let path = model_path("smollm2-135m");
+fn verify_window_matches_stepwise(name: &str, dtype: WeightDType) {
+    let path = model_path(name);
     let opts = LoadOptions {
         dtype,
         ..LoadOptions::default()
@@ -220,7 +222,7 @@ fn verify_window_matches_stepwise(dtype: WeightDType) {
         assert_eq!(
             specula_models::sampling::argmax(a),
             specula_models::sampling::argmax(b),
-            "row {i}: argmax differs"
+            "{name} row {i}: argmax differs"
         );
     }
 }

@@ -47,12 +47,14 @@ def main():
             s = generate(args.target, args.max_tokens, [*drafter, "--num-draft-tokens", str(k)])
             reference = reference or p["token_ids"]
             # The law: greedy speculative output equals greedy plain output.
-            same = s["token_ids"] == reference and p["token_ids"] == reference
+            div = lambda ids: next((i for i, (a, b) in enumerate(zip(ids, reference)) if a != b),
+                                   None if len(ids) == len(reference) else min(len(ids), len(reference)))
+            same = f"plain first differs at {div(p['token_ids'])}, spec at {div(s['token_ids'])}"
             plain.append(p)
             spec[k].append(s)
             print(f"rep {rep} k {k}: plain {p['stats']['decode_tokens_per_s']:.2f} tok/s, "
                   f"spec {s['stats']['decode_tokens_per_s']:.2f} tok/s, "
-                  f"acceptance {s['stats']['acceptance_rate']:.2f}, same output {same}",
+                  f"acceptance {s['stats']['acceptance_rate']:.2f}, {same}",
                   flush=True)
 
     med = lambda runs, key: statistics.median(r["stats"][key] for r in runs)

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Module, Tensor};
 
 use crate::error::Result;
@@ -65,6 +65,14 @@ impl Linear {
     /// On a shape mismatch.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let ys = match &self.weight {
+            Weight::Quantized(q) if needs_row_wise(q, xs)? => {
+                // candle's single-row Q6K kernel sums in another order than its multi-row one;
+                // running verify-window rows one by one keeps them bit-identical to decoding.
+                let rows = (0..xs.dim(0)?)
+                    .map(|i| q.forward(&xs.narrow(0, i, 1)?.contiguous()?))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                Tensor::cat(&rows, 0)?
+            }
             Weight::Quantized(q) => q.forward(&xs.contiguous()?)?,
             Weight::RowBatched(q) => qmatmul::matmul(q, xs)?,
             Weight::Dense(w) if w.dtype() == DType::F32 => xs.matmul(&w.t()?)?,
@@ -79,4 +87,13 @@ impl Linear {
             None => Ok(ys),
         }
     }
+}
+
+/// Whether a small chunk of rows must go through `q` one row at a time to get exactly the
+/// results of single-row calls (see [`Linear::forward`]).
+fn needs_row_wise(q: &QMatMul, xs: &Tensor) -> Result<bool> {
+    let rows = xs.dims().first().copied().unwrap_or(1);
+    Ok(xs.rank() == 2
+        && (2..=16).contains(&rows)
+        && matches!(q, QMatMul::QTensor(t) if t.dtype() == GgmlDType::Q6K))
 }
