@@ -100,21 +100,48 @@ fn bad_drafter_paths_and_old_protocols() {
         (not_exec.to_str().expect("utf-8"), "not an executable"),
     ] {
         let out = std::process::Command::new(specula_tests::bin_path("target-host"))
-            .args(["generate", "--model", model, "--prompt", "Hi", "--max-tokens", "2"])
+            .args([
+                "generate",
+                "--model",
+                model,
+                "--prompt",
+                "Hi",
+                "--max-tokens",
+                "2",
+            ])
             .args(["--drafter", drafter])
             .output()
             .expect("run target-host");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{drafter}: should fail");
-        assert!(stderr.contains(expected), "{drafter}: stderr lacks {expected:?}: {stderr}");
+        assert!(
+            stderr.contains(expected),
+            "{drafter}: stderr lacks {expected:?}: {stderr}"
+        );
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
     let out = std::process::Command::new(specula_tests::bin_path("target-host"))
-        .args(["generate", "--model", model, "--prompt", "Hi", "--max-tokens", "4"])
-        .args(["--drafter", "chaos-drafter", "--drafter-arg=--mode", "--drafter-arg=wrong-major"])
+        .args([
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "Hi",
+            "--max-tokens",
+            "4",
+        ])
+        .args([
+            "--drafter",
+            "chaos-drafter",
+            "--drafter-arg=--mode",
+            "--drafter-arg=wrong-major",
+        ])
         .output()
         .expect("run target-host");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    assert!(stderr.contains("2.0") && stderr.contains("1.0"), "versions not named: {stderr}");
+    assert!(
+        stderr.contains("2.0") && stderr.contains("1.0"),
+        "versions not named: {stderr}"
+    );
 }

@@ -288,7 +288,10 @@ mod tests {
     #[test]
     fn greedy_is_argmax_with_lowest_index_on_ties() {
         let s = Sampler::new(params(0.0));
-        assert_eq!(s.distribution(&[1.0, 3.0, 3.0, 2.0], &[]), Distribution::OneHot(1));
+        assert_eq!(
+            s.distribution(&[1.0, 3.0, 3.0, 2.0], &[]),
+            Distribution::OneHot(1)
+        );
     }
 
     #[test]

@@ -18,10 +18,10 @@ use ngram::{NgramConfig, NgramDrafter};
 use specula_models::chat::{ChatMessage, GenerationPrompt};
 use specula_models::sampling::SamplingParams;
 use specula_models::tokenizer::Special;
+use target_host::drafter::InProcess;
 use target_host::drafter::{ClientConfig, DrafterClient, DrafterSpec};
 use target_host::drafter_args::target_info;
 use target_host::generation::{generate, Flow, Generation, GenerationRequest, Speculation, Target};
-use target_host::drafter::InProcess;
 use target_host::models::{load_model, ModelArgs};
 use target_host::proposer::{Proposer, ProposerSlot, Shared};
 
@@ -64,7 +64,10 @@ fn median(xs: &mut [f64]) -> f64 {
 fn main() -> Result<()> {
     let args = Args::parse();
     let loaded = load_model(&args.model)?;
-    let template = loaded.chat_template.as_ref().context("model has no chat template")?;
+    let template = loaded
+        .chat_template
+        .as_ref()
+        .context("model has no chat template")?;
     let text = template.render(&[ChatMessage::new("user", PROMPT)], GenerationPrompt::Add)?;
     let prompt_ids = loaded.tokenizer.encode(&text, Special::Parse)?;
     let exe_dir = std::env::current_exe()?
@@ -83,7 +86,10 @@ fn main() -> Result<()> {
     let (shared, client) = Shared::new(client);
     let slots = [
         ("plain", ProposerSlot::new(None)),
-        ("ngram out-of-process", ProposerSlot::new(Some(Box::new(shared)))),
+        (
+            "ngram out-of-process",
+            ProposerSlot::new(Some(Box::new(shared))),
+        ),
         (
             "ngram in-process",
             ProposerSlot::new(Some(Box::new(InProcess::new(NgramDrafter::new(
@@ -128,7 +134,10 @@ fn main() -> Result<()> {
         }
     }
     let plain_ids = &results[0][0].token_ids;
-    let mut plain_tps = results[0].iter().map(|g| g.stats.decode_tokens_per_s).collect::<Vec<_>>();
+    let mut plain_tps = results[0]
+        .iter()
+        .map(|g| g.stats.decode_tokens_per_s)
+        .collect::<Vec<_>>();
     let plain_med = median(&mut plain_tps);
     println!(
         "model {} dtype {}, prompt {} tokens, {} generated, k = {}, {} reps (medians)",
@@ -139,7 +148,9 @@ fn main() -> Result<()> {
         args.k,
         args.reps
     );
-    println!("| config | tok/s | min–max | ratio vs plain | acceptance | accepted/round | same output |");
+    println!(
+        "| config | tok/s | min–max | ratio vs plain | acceptance | accepted/round | same output |"
+    );
     println!("|---|---|---|---|---|---|---|");
     let mut json = Vec::new();
     for (i, (name, _)) in slots.iter().enumerate() {
@@ -164,8 +175,15 @@ fn main() -> Result<()> {
             "mean_accepted_per_round": s.mean_accepted_per_round, "same_output": same,
         }));
     }
-    let stats = client.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.stats();
-    let p = |q| stats.rtt_percentile(q).map_or(0.0, |d| d.as_secs_f64() * 1e6);
+    let stats = client
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .stats();
+    let p = |q| {
+        stats
+            .rtt_percentile(q)
+            .map_or(0.0, |d| d.as_secs_f64() * 1e6)
+    };
     println!(
         "IPC round trip (draft → drafted), {} requests: p50 {:.0} µs, p99 {:.0} µs; deadline misses {}",
         stats.requests,
@@ -174,8 +192,12 @@ fn main() -> Result<()> {
         stats.deadline_misses
     );
     if let Some(out) = &args.out {
-        let rtt = serde_json::json!({"p50_us": p(0.5), "p99_us": p(0.99), "requests": stats.requests});
-        std::fs::write(out, serde_json::to_string_pretty(&serde_json::json!({"configs": json, "rtt": rtt}))?)?;
+        let rtt =
+            serde_json::json!({"p50_us": p(0.5), "p99_us": p(0.99), "requests": stats.requests});
+        std::fs::write(
+            out,
+            serde_json::to_string_pretty(&serde_json::json!({"configs": json, "rtt": rtt}))?,
+        )?;
     }
     Ok(())
 }

@@ -118,7 +118,12 @@ impl Attention {
             let rows = (0..seq)
                 .map(|i| {
                     let len = pos + i + 1;
-                    self.attend(&q.narrow(1, i, 1)?, &k.narrow(1, 0, len)?, &v.narrow(1, 0, len)?, None)
+                    self.attend(
+                        &q.narrow(1, i, 1)?,
+                        &k.narrow(1, 0, len)?,
+                        &v.narrow(1, 0, len)?,
+                        None,
+                    )
                 })
                 .collect::<Result<Vec<_>>>()?;
             Tensor::cat(&rows, 0)?
