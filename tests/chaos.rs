@@ -99,19 +99,7 @@ fn bad_drafter_paths_and_old_protocols() {
         (missing.to_str().expect("utf-8"), "not found"),
         (not_exec.to_str().expect("utf-8"), "not an executable"),
     ] {
-        let out = std::process::Command::new(specula_tests::bin_path("target-host"))
-            .args([
-                "generate",
-                "--model",
-                model,
-                "--prompt",
-                "Hi",
-                "--max-tokens",
-                "2",
-            ])
-            .args(["--drafter", drafter])
-            .output()
-            .expect("run target-host");
+        let out = generate_hi(model, &["--max-tokens", "2", "--drafter", drafter]);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{drafter}: should fail");
         assert!(
@@ -120,28 +108,30 @@ fn bad_drafter_paths_and_old_protocols() {
         );
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
-    let out = std::process::Command::new(specula_tests::bin_path("target-host"))
-        .args([
-            "generate",
-            "--model",
-            model,
-            "--prompt",
-            "Hi",
+    let out = generate_hi(
+        model,
+        &[
             "--max-tokens",
             "4",
-        ])
-        .args([
             "--drafter",
             "chaos-drafter",
             "--drafter-arg=--mode",
             "--drafter-arg=wrong-major",
-        ])
-        .output()
-        .expect("run target-host");
+        ],
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(
         stderr.contains("2.0") && stderr.contains("1.0"),
         "versions not named: {stderr}"
     );
+}
+
+/// Runs `target-host generate --model MODEL --prompt Hi EXTRA...`.
+fn generate_hi(model: &str, extra: &[&str]) -> std::process::Output {
+    std::process::Command::new(specula_tests::bin_path("target-host"))
+        .args(["generate", "--model", model, "--prompt", "Hi"])
+        .args(extra)
+        .output()
+        .expect("run target-host")
 }
