@@ -564,10 +564,3 @@ fn ratio(a: usize, b: usize) -> f64 {
         0.0
     }
 }
-
-impl Wants {
-    /// Whether nothing is wanted.
-    pub fn is_empty(&self) -> bool {
-        self.tap_layers.is_empty() && !self.final_hidden && self.kv_layers.is_empty()
-    }
-}

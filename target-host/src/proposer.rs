@@ -20,6 +20,13 @@ pub struct Wants {
     pub kv_layers: Vec<usize>,
 }
 
+impl Wants {
+    /// Whether nothing is wanted.
+    pub fn is_empty(&self) -> bool {
+        self.tap_layers.is_empty() && !self.final_hidden && self.kv_layers.is_empty()
+    }
+}
+
 /// Drafts proposed for one round, already validated against the vocabulary and `n`.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Draft {
