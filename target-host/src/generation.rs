@@ -120,6 +120,13 @@ pub struct GenerationStats {
     pub mean_accepted_per_round: f64,
     /// `accepted / drafted` (0 with no drafts).
     pub acceptance_rate: f64,
+    /// Time inside target forwards after prefill, logits copied to the host included.
+    pub forward_ms: f64,
+    /// Time waiting for drafts (IPC and the drafter's own work for out-of-process drafters).
+    pub draft_ms: f64,
+    /// Decode time outside forwards and drafting: verification, sampling, cache rollback,
+    /// verdicts, detokenization. The speculative loop's own overhead.
+    pub host_ms: f64,
 }
 
 /// The result of a generation.
@@ -208,11 +215,13 @@ pub fn generate(
             Speculation::On { num_draft_tokens } => num_draft_tokens.min(budget - 1).min(room),
             Speculation::Off => 0,
         };
+        let draft_start = Instant::now();
         let draft = if k > 0 {
             drafter.draft(slot, &run.context, k, model.config().vocab_size)
         } else {
             Draft::default()
         };
+        run.stats.draft_ms += ms(draft_start);
 
         let mut window = Vec::with_capacity(draft.tokens.len() + 1);
         window.push(pending);
@@ -223,9 +232,11 @@ pub fn generate(
             taps: tap_ids(&wants),
             taps_all_positions: false,
         };
+        let forward_start = Instant::now();
         let out = model.forward(&window, cache, &fwd)?;
         run.stats.target_forwards += 1;
         let rows: Vec<Vec<f32>> = out.logits.to_vec2()?;
+        run.stats.forward_ms += ms(forward_start);
         let acceptance = verify(
             &mut run.sampler,
             &rows,
@@ -284,6 +295,7 @@ pub fn generate(
     stats.prompt_tokens = n_prompt;
     stats.generated_tokens = run.ids.len();
     stats.decode_ms = ms(decode_start);
+    stats.host_ms = (stats.decode_ms - stats.forward_ms - stats.draft_ms).max(0.0);
     stats.decode_tokens_per_s = rate(stats.generated_tokens, stats.decode_ms);
     stats.mean_accepted_per_round = ratio(stats.accepted, stats.rounds);
     stats.acceptance_rate = ratio(stats.accepted, stats.drafted);
