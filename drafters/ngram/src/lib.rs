@@ -1,30 +1,48 @@
-//! Prompt-lookup decoding: propose the tokens that followed the most recent earlier occurrence of
-//! the context's suffix. Needs no model, and pays off when the output copies from the prompt
-//! (code edits, summaries with quotes, RAG).
+//! Prompt-lookup decoding: propose the tokens that followed an earlier occurrence of the
+//! context's suffix (the most recent one, or the one whose next token followed that suffix most
+//! often). Needs no model, and pays off when the output copies from the prompt (code edits,
+//! summaries with quotes, RAG).
 //!
 //! Reference: Saxena, "Prompt Lookup Decoding" (2023,
 //! <https://github.com/apoorvumang/prompt-lookup-decoding>) and vLLM's `NgramProposer`. Unlike
-//! them, [`NgramIndex`] never rescans the context: a hash map from each n-gram to the position
-//! right after its latest occurrence is updated as tokens are appended, so a lookup costs
-//! `max_n - min_n + 1` probes however long the context is.
+//! them, [`NgramIndex`] never rescans the context: a hash map from each n-gram to its
+//! continuations (next id → count and latest position) is updated as tokens are appended, so a
+//! lookup costs `max_n - min_n + 1` probes however long the context is.
 
 use std::collections::HashMap;
 
 use specula_protocol::sdk::{CommitArgs, Drafter, DrafterInfo, OpenArgs, Proposal};
 use specula_protocol::wire::{Capabilities, SessionId};
 
-/// Which suffix lengths to try, longest first.
+/// Which earlier occurrence of a matched suffix to copy from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Choice {
+    /// The latest occurrence: text being edited tends to repeat what was just said.
+    #[default]
+    Recent,
+    /// The latest occurrence among those followed by the suffix's most frequent next id (ties
+    /// go to the latest): steadier on boilerplate that repeats with small variations.
+    Frequent,
+}
+
+/// Which suffix lengths to try, longest first, and which occurrence to copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NgramConfig {
     /// Shortest suffix that may match (a 1-gram matches often and guesses badly, hence 2).
     pub min_n: usize,
     /// Longest suffix tried first.
     pub max_n: usize,
+    /// Occurrence to copy from.
+    pub choice: Choice,
 }
 
 impl Default for NgramConfig {
     fn default() -> Self {
-        NgramConfig { min_n: 2, max_n: 4 }
+        NgramConfig {
+            min_n: 2,
+            max_n: 4,
+            choice: Choice::Recent,
+        }
     }
 }
 
@@ -47,14 +65,24 @@ impl NgramConfig {
 /// The context of one session and its n-gram index.
 ///
 /// # Invariants
-/// `next[(n, hash(g))] = p` means the n-gram `g = tokens[p-n..p]` last occurred ending at `p`,
-/// with `p < tokens.len()`: only n-grams that have a continuation are indexed, which is why an
+/// For the n-gram `g` (hash `h`), `next[(n, h)]` lists each id `t` that followed `g` with how
+/// often it did and the latest end position `p` of `g` followed by `t`: `tokens[p-n..p] == g`
+/// and `tokens[p] == t`. Only n-grams that have a continuation are indexed, which is why an
 /// n-gram is inserted one token after it is complete.
 #[derive(Debug, Clone)]
 pub struct NgramIndex {
     config: NgramConfig,
     tokens: Vec<u32>,
-    next: HashMap<(usize, u64), usize>,
+    next: HashMap<(usize, u64), Vec<Continuation>>,
+}
+
+/// One id that followed an n-gram.
+#[derive(Debug, Clone, Copy)]
+struct Continuation {
+    id: u32,
+    count: u32,
+    /// Latest end position of the n-gram where `id` followed.
+    at: usize,
 }
 
 fn hash(gram: &[u32]) -> u64 {
@@ -84,22 +112,44 @@ impl NgramIndex {
         for &id in ids {
             let end = self.tokens.len();
             for n in self.config.min_n..=self.config.max_n.min(end) {
-                self.next.insert((n, hash(&self.tokens[end - n..end])), end);
+                let seen = self
+                    .next
+                    .entry((n, hash(&self.tokens[end - n..end])))
+                    .or_default();
+                match seen.iter_mut().find(|c| c.id == id) {
+                    Some(c) => {
+                        c.count += 1;
+                        c.at = end;
+                    }
+                    None => seen.push(Continuation {
+                        id,
+                        count: 1,
+                        at: end,
+                    }),
+                }
             }
             self.tokens.push(id);
         }
     }
 
-    /// Up to `k` ids that followed the most recent earlier occurrence of the longest matching
-    /// suffix; empty when no suffix of `min_n..=max_n` ids occurred before.
+    /// Up to `k` ids that followed an earlier occurrence (per [`Choice`]) of the longest
+    /// matching suffix; empty when no suffix of `min_n..=max_n` ids occurred before.
     pub fn propose(&self, k: usize) -> Vec<u32> {
         let len = self.tokens.len();
         for n in (self.config.min_n..=self.config.max_n.min(len)).rev() {
             let suffix = &self.tokens[len - n..];
-            let Some(&p) = self.next.get(&(n, hash(suffix))) else {
+            let Some(seen) = self.next.get(&(n, hash(suffix))) else {
                 continue;
             };
-            if self.tokens[p - n..p] == *suffix {
+            let best = match self.config.choice {
+                Choice::Recent => seen.iter().max_by_key(|c| c.at),
+                Choice::Frequent => seen.iter().max_by_key(|c| (c.count, c.at)),
+            };
+            // A hash collision shows as an occurrence that is not the suffix.
+            if let Some(p) = best
+                .map(|c| c.at)
+                .filter(|&p| self.tokens[p - n..p] == *suffix)
+            {
                 return self.tokens[p..len.min(p + k)].to_vec();
             }
         }
@@ -161,21 +211,38 @@ impl Drafter for NgramDrafter {
 mod tests {
     use super::*;
 
+    fn config(min_n: usize, max_n: usize, choice: Choice) -> NgramConfig {
+        NgramConfig {
+            min_n,
+            max_n,
+            choice,
+        }
+    }
+
     fn index(min_n: usize, max_n: usize, ids: &[u32]) -> NgramIndex {
-        let mut index = NgramIndex::new(NgramConfig { min_n, max_n });
+        let mut index = NgramIndex::new(config(min_n, max_n, Choice::Recent));
         index.extend(ids);
         index
     }
 
     /// The obvious quadratic algorithm the index must agree with.
-    fn rescan(tokens: &[u32], min_n: usize, max_n: usize, k: usize) -> Vec<u32> {
+    fn rescan(tokens: &[u32], config: NgramConfig, k: usize) -> Vec<u32> {
         let len = tokens.len();
-        for n in (min_n..=max_n.min(len)).rev() {
+        for n in (config.min_n..=config.max_n.min(len)).rev() {
             let suffix = &tokens[len - n..];
-            for p in (n..len).rev() {
-                if &tokens[p - n..p] == suffix {
-                    return tokens[p..len.min(p + k)].to_vec();
-                }
+            // Every earlier end position of the suffix that has a continuation, latest first.
+            let ends: Vec<usize> = (n..len)
+                .rev()
+                .filter(|&p| &tokens[p - n..p] == suffix)
+                .collect();
+            let count = |p: usize| ends.iter().filter(|&&q| tokens[q] == tokens[p]).count();
+            let best = match config.choice {
+                Choice::Recent => ends.first().copied(),
+                // max_by_key keeps the last maximum: iterate oldest first so ties go to the latest.
+                Choice::Frequent => ends.iter().rev().copied().max_by_key(|&p| count(p)),
+            };
+            if let Some(p) = best {
+                return tokens[p..len.min(p + k)].to_vec();
             }
         }
         Vec::new()
@@ -210,20 +277,31 @@ mod tests {
     }
 
     #[test]
+    fn frequent_choice_copies_the_usual_continuation() {
+        // "1 2" was followed by 3 twice, then by 5 once (latest).
+        let ids = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 5, 7, 1, 2];
+        let mut ix = NgramIndex::new(config(2, 2, Choice::Frequent));
+        ix.extend(&ids);
+        // Copies from the latest "1 2 3", not from the latest "1 2".
+        assert_eq!(ix.propose(3), vec![3, 8, 1]);
+        assert_eq!(index(2, 2, &ids).propose(3), vec![5, 7, 1]);
+    }
+
+    #[test]
     fn incremental_index_matches_a_full_rescan() {
-        // A small alphabet makes many matches of every length; pseudo-random but fixed.
-        let mut state = 12345u32;
-        let mut ix = NgramIndex::new(NgramConfig { min_n: 1, max_n: 4 });
-        for step in 0..3000 {
-            state = state.wrapping_mul(1_103_515_245).wrapping_add(12345);
-            let id = (state >> 16) % 6;
-            ix.extend(&[id]);
-            if step % 7 == 0 {
-                assert_eq!(
-                    ix.propose(5),
-                    rescan(ix.tokens(), 1, 4, 5),
-                    "at step {step}"
-                );
+        for choice in [Choice::Recent, Choice::Frequent] {
+            // A small alphabet makes many matches of every length; pseudo-random but fixed.
+            let mut state = 12345u32;
+            let config = config(1, 4, choice);
+            let mut ix = NgramIndex::new(config);
+            for step in 0..3000 {
+                state = state.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                let id = (state >> 16) % 6;
+                ix.extend(&[id]);
+                if step % 7 == 0 {
+                    let want = rescan(ix.tokens(), config, 5);
+                    assert_eq!(ix.propose(5), want, "{choice:?} at step {step}");
+                }
             }
         }
     }
@@ -231,7 +309,7 @@ mod tests {
     #[test]
     fn config_is_checked() {
         assert!(NgramConfig::default().validate().is_ok());
-        assert!(NgramConfig { min_n: 0, max_n: 3 }.validate().is_err());
-        assert!(NgramConfig { min_n: 4, max_n: 3 }.validate().is_err());
+        assert!(config(0, 3, Choice::Recent).validate().is_err());
+        assert!(config(4, 3, Choice::Frequent).validate().is_err());
     }
 }

@@ -1,10 +1,11 @@
-//! The n-gram drafter as a process: `ngram [--min-ngram N] [--max-ngram N] [--max-draft N]`,
+//! The n-gram drafter as a process:
+//! `ngram [--min-ngram N] [--max-ngram N] [--max-draft N] [--choice recent|frequent]`,
 //! started by the target host (see `specula_protocol::sdk`).
 
 use std::process::ExitCode;
 
-use clap::Parser;
-use ngram::{NgramConfig, NgramDrafter};
+use clap::{Parser, ValueEnum};
+use ngram::{Choice, NgramConfig, NgramDrafter};
 
 /// Prompt-lookup drafter for Specula.
 #[derive(Debug, Parser)]
@@ -19,6 +20,18 @@ struct Args {
     /// The most drafts proposed per round.
     #[arg(long, default_value_t = 16)]
     max_draft: u32,
+    /// Which earlier occurrence of the matched suffix to copy from.
+    #[arg(long, value_enum, default_value_t = ChoiceArg::Recent)]
+    choice: ChoiceArg,
+}
+
+/// `--choice` values.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ChoiceArg {
+    /// The latest occurrence.
+    Recent,
+    /// The latest occurrence followed by the most frequent next token.
+    Frequent,
 }
 
 fn main() -> ExitCode {
@@ -26,6 +39,10 @@ fn main() -> ExitCode {
     let config = NgramConfig {
         min_n: args.min_ngram,
         max_n: args.max_ngram,
+        choice: match args.choice {
+            ChoiceArg::Recent => Choice::Recent,
+            ChoiceArg::Frequent => Choice::Frequent,
+        },
     };
     if let Err(e) = config.validate() {
         eprintln!("ngram: {e}");
