@@ -16,7 +16,7 @@ use super::openai_types::{
 };
 use super::request::{check_common, check_top_logprobs};
 use super::stream::{collect, finish_reason, sse, Chunks, TokenOut, Tracker};
-use super::{encode, new_id, token_text, unix_now, AppState};
+use super::{encode, new_id, respond, token_text, unix_now, AppState};
 use crate::generation::Generation;
 
 /// `POST /v1/chat/completions`.
@@ -24,13 +24,7 @@ pub async fn handler(
     State(state): State<Arc<AppState>>,
     body: Result<ApiJson, ApiError>,
 ) -> Response {
-    match run(&state, body).await {
-        Ok(r) => r,
-        Err(e) => {
-            state.metrics.request("chat", e.status.as_u16());
-            e.into_response()
-        }
-    }
+    respond(&state, "chat", run(&state, body).await)
 }
 
 async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<Response, ApiError> {

@@ -12,7 +12,7 @@ use super::openai_types::{
 };
 use super::request::{check_common, check_top_logprobs};
 use super::stream::{collect, finish_reason, sse, Chunks, TokenOut, Tracker};
-use super::{encode, new_id, unix_now, AppState};
+use super::{encode, new_id, respond, unix_now, AppState};
 use crate::generation::Generation;
 use specula_models::tokenizer::Tokenizer;
 
@@ -24,13 +24,7 @@ pub async fn handler(
     State(state): State<Arc<AppState>>,
     body: Result<ApiJson, ApiError>,
 ) -> Response {
-    match run(&state, body).await {
-        Ok(r) => r,
-        Err(e) => {
-            state.metrics.request("completions", e.status.as_u16());
-            e.into_response()
-        }
-    }
+    respond(&state, "completions", run(&state, body).await)
 }
 
 async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<Response, ApiError> {

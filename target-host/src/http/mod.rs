@@ -31,6 +31,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result};
 use axum::extract::DefaultBodyLimit;
 use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::Router;
 use clap::Args;
@@ -260,6 +261,19 @@ async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) ->
         "method_not_allowed",
         format!("{method} is not allowed on {}", uri.path()),
     )
+}
+
+/// The response of a generation endpoint: `result`, or its error counted under `endpoint`
+/// (successes are counted when their stream ends).
+pub fn respond(
+    state: &AppState,
+    endpoint: &'static str,
+    result: Result<Response, ApiError>,
+) -> Response {
+    result.unwrap_or_else(|e| {
+        state.metrics.request(endpoint, e.status.as_u16());
+        e.into_response()
+    })
 }
 
 /// Tokenizes a prompt off the async threads (a 4 MiB prompt takes a while).
