@@ -13,6 +13,7 @@ pub mod kv_cache;
 pub mod layers;
 pub mod loader;
 pub mod model;
+pub mod random;
 pub mod sampling;
 pub mod testing;
 pub mod tokenizer;

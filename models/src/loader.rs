@@ -3,19 +3,80 @@
 //! GGUF tensors are read one by one (quantized blocks stay quantized in `Native` mode);
 //! safetensors are memory-mapped by candle. Every malformed input ends in an
 //! [`Error::Io`] / [`Error::InvalidModel`] / [`Error::Missing`] naming the file.
+//!
+//! Architectures build themselves from any [`WeightSource`]: the checkpoint [`Weights`], or
+//! the random weights of [`crate::random`] (benchmarks of real shapes without the files).
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file;
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 
 use crate::arch::{self, llama::Llama};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::layers::RopeStyle;
+use crate::layers::{Embedding, Linear, RopeStyle};
 use crate::model::Model;
-use crate::weights::{WeightDType, Weights};
+use crate::weights::{Bias, WeightDType, Weights};
+
+/// Where an architecture's tensors come from, by HF name.
+pub trait WeightSource {
+    /// The device tensors are created on.
+    fn device(&self) -> &Device;
+
+    /// A 1-D tensor of `len` elements (a norm weight) as dense f32.
+    ///
+    /// # Errors
+    /// [`Error::Missing`] if absent, [`Error::InvalidModel`] if unreadable or of another shape.
+    fn vector(&mut self, hf: &str, len: usize) -> Result<Tensor>;
+
+    /// The projection `{prefix}.weight` `[out, in]` (+ `{prefix}.bias` as `bias` says).
+    ///
+    /// # Errors
+    /// [`Error::Missing`] for an absent required tensor, [`Error::InvalidModel`] for a wrong
+    /// shape.
+    fn linear(&mut self, prefix: &str, dims: (usize, usize), bias: Bias) -> Result<Linear>;
+
+    /// The token embedding `[vocab, hidden]` and the lm_head (sharing its storage when `tied`).
+    ///
+    /// # Errors
+    /// As [`WeightSource::linear`].
+    fn embedding_and_head(
+        &mut self,
+        dims: (usize, usize),
+        tied: bool,
+    ) -> Result<(Embedding, Linear)>;
+}
+
+impl WeightSource for Weights {
+    fn device(&self) -> &Device {
+        Weights::device(self)
+    }
+
+    fn vector(&mut self, hf: &str, len: usize) -> Result<Tensor> {
+        let t = Weights::vector(self, hf)?;
+        match t.dims1()? == len {
+            true => Ok(t),
+            false => Err(invalid(
+                self.path(),
+                format!("{hf} has {} elements, expected {len}", t.dims1()?),
+            )),
+        }
+    }
+
+    fn linear(&mut self, prefix: &str, dims: (usize, usize), bias: Bias) -> Result<Linear> {
+        Weights::linear(self, prefix, dims, bias)
+    }
+
+    fn embedding_and_head(
+        &mut self,
+        dims: (usize, usize),
+        tied: bool,
+    ) -> Result<(Embedding, Linear)> {
+        Weights::embedding_and_head(self, dims, tied)
+    }
+}
 
 /// How to load a model.
 #[derive(Clone, Debug)]

@@ -36,6 +36,9 @@ enum Command {
     },
     /// Serve the OpenAI-compatible HTTP API.
     Serve(target_host::http::ServeArgs),
+    /// Measure copy bandwidth, decode speed, the verify-window curve and the speculative
+    /// loop's overhead; prints (or writes) a JSON report.
+    Bench(target_host::bench::BenchArgs),
 }
 
 #[derive(Args)]
@@ -103,6 +106,16 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Serve(args) => target_host::http::serve(args),
+        Command::Bench(args) => {
+            let report = target_host::bench::run(&args)?;
+            let json = serde_json::to_string_pretty(&report)?;
+            match &args.out {
+                Some(path) => std::fs::write(path, json)
+                    .with_context(|| format!("writing {}", path.display()))?,
+                None => println!("{json}"),
+            }
+            Ok(())
+        }
     }
 }
 

@@ -1,12 +1,16 @@
-//! Finding and loading the target model named on the command line.
+//! Finding and loading the target model named on the command line: a checkpoint (GGUF file,
+//! HF directory, or a name `scripts/fetch-model` knows) or random weights of a real shape
+//! (`--load-format random --config qwen3-8b`, for benchmarks where checkpoints cannot travel),
+//! on the CPU or a GPU (`--device cuda`, in builds with the `cuda` feature).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
-use clap::Args;
+use candle_core::Device;
+use clap::{Args, ValueEnum};
 use specula_models::loader::{load, LoadedModel};
-use specula_models::{LoadOptions, WeightDType};
+use specula_models::{random, LoadOptions, WeightDType};
 
 /// The model fetched and served when none is named.
 pub const DEFAULT_MODEL: &str = "smollm2-135m";
@@ -24,6 +28,49 @@ pub struct ModelArgs {
     /// Tokens per prefill chunk.
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,
+    /// Where the model runs: cpu, cuda or cuda:N (cuda needs a build with the `cuda` feature,
+    /// see scripts/build-cuda).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// How to read the weights: auto (a .gguf file or an HF directory, by --model), or random
+    /// weights of the shape --config names (text in and out is then `t0 t1 ...` ids).
+    #[arg(long, value_enum, default_value_t = LoadFormat::Auto)]
+    pub load_format: LoadFormat,
+    /// With --load-format random: a preset (qwen2.5-1.5b, qwen3-8b) or an HF config.json path.
+    #[arg(long)]
+    pub config: Option<String>,
+}
+
+/// Where the weights come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LoadFormat {
+    /// A GGUF file or an HF safetensors directory, chosen by `--model`.
+    Auto,
+    /// `--model` must be a GGUF file.
+    Gguf,
+    /// `--model` must be an HF directory with safetensors.
+    Safetensors,
+    /// Random weights of the `--config` shape, built on the device.
+    Random,
+}
+
+/// Parses `cpu`, `cuda` or `cuda:N`.
+///
+/// # Errors
+/// An unknown device name, or `cuda` in a build without the `cuda` feature.
+pub fn parse_device(spec: &str) -> Result<Device> {
+    let ordinal = match spec.to_ascii_lowercase().as_str() {
+        "cpu" => return Ok(Device::Cpu),
+        "cuda" => 0,
+        s => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => n,
+            _ => bail!("--device {spec}: expected cpu, cuda or cuda:N"),
+        },
+    };
+    if !candle_core::utils::cuda_is_available() {
+        bail!("--device {spec}: this build has no CUDA support (build it with scripts/build-cuda)");
+    }
+    Device::new_cuda(ordinal).with_context(|| format!("opening CUDA device {ordinal}"))
 }
 
 /// Resolves [`ModelArgs::model`] to a path and loads it.
@@ -32,13 +79,43 @@ pub struct ModelArgs {
 /// Unknown names, missing files, failed fetches and everything [`load`] rejects, each with the
 /// path or name involved.
 pub fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
-    let path = resolve_model(args.model.as_deref().unwrap_or(DEFAULT_MODEL))?;
     let dtype: WeightDType = args.dtype.parse()?;
     let opts = LoadOptions {
         dtype,
+        device: parse_device(&args.device)?,
         prefill_chunk: args.prefill_chunk.max(1),
-        ..LoadOptions::default()
     };
+    if args.load_format == LoadFormat::Random {
+        if args.model.is_some() {
+            bail!("--load-format random builds the model from --config: drop --model");
+        }
+        let spec = args
+            .config
+            .as_deref()
+            .context("--load-format random needs --config (a preset: qwen2.5-1.5b, qwen3-8b; or a config.json)")?;
+        let config = random::config(spec).with_context(|| format!("--config {spec}"))?;
+        return random::load(spec, config, &opts)
+            .with_context(|| format!("building random weights for {spec}"));
+    }
+    if args.config.is_some() {
+        bail!("--config is only used with --load-format random");
+    }
+    let path = resolve_model(args.model.as_deref().unwrap_or(DEFAULT_MODEL))?;
+    let is_gguf = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    match args.load_format {
+        LoadFormat::Gguf if !is_gguf => {
+            bail!("--load-format gguf: {} is not a .gguf file", path.display())
+        }
+        LoadFormat::Safetensors if !path.is_dir() => {
+            bail!(
+                "--load-format safetensors: {} is not an HF model directory",
+                path.display()
+            )
+        }
+        _ => {}
+    }
     tracing::info!("loading {} ({})", path.display(), args.dtype);
     load(&path, &opts).with_context(|| format!("loading model {}", path.display()))
 }

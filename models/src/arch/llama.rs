@@ -10,8 +10,9 @@ use crate::error::Result;
 use crate::kv_cache::KvCache;
 use crate::layers::attention::causal_mask;
 use crate::layers::{Attention, Embedding, Linear, Mlp, RmsNorm, Rope, RopeStyle};
+use crate::loader::WeightSource;
 use crate::model::TapId;
-use crate::weights::{Bias, Weights};
+use crate::weights::Bias;
 
 /// One decoder layer (`LlamaDecoderLayer`).
 #[derive(Clone, Debug)]
@@ -54,14 +55,15 @@ pub struct ChunkOutput {
 }
 
 impl Llama {
-    /// Builds the model from `weights`, rotating q/k in the `rope` layout.
+    /// Builds the model from `weights` (a checkpoint or random), rotating q/k in the `rope`
+    /// layout.
     ///
     /// # Errors
     /// [`crate::Error::Missing`] / [`crate::Error::InvalidModel`] for absent or misshapen tensors.
     pub fn load(
         cfg: &ModelConfig,
         spec: &ArchSpec,
-        weights: &mut Weights,
+        weights: &mut dyn WeightSource,
         rope: RopeStyle,
     ) -> Result<Self> {
         let (h, hd) = (cfg.hidden_size, cfg.head_dim());
@@ -76,10 +78,10 @@ impl Llama {
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{l}");
-            let qk_norm = |w: &mut Weights, which: &str| -> Result<Option<RmsNorm>> {
+            let qk_norm = |w: &mut dyn WeightSource, which: &str| -> Result<Option<RmsNorm>> {
                 match spec.qk_norm || cfg.qk_norm {
                     true => Ok(Some(RmsNorm::new(
-                        w.vector(&format!("{p}.self_attn.{which}.weight"))?,
+                        w.vector(&format!("{p}.self_attn.{which}.weight"), hd)?,
                         eps,
                     )?)),
                     false => Ok(None),
@@ -120,12 +122,12 @@ impl Llama {
             };
             layers.push(Block {
                 input_layernorm: RmsNorm::new(
-                    weights.vector(&format!("{p}.input_layernorm.weight"))?,
+                    weights.vector(&format!("{p}.input_layernorm.weight"), h)?,
                     eps,
                 )?,
                 self_attn,
                 post_attention_layernorm: RmsNorm::new(
-                    weights.vector(&format!("{p}.post_attention_layernorm.weight"))?,
+                    weights.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
                     eps,
                 )?,
                 mlp,
@@ -134,7 +136,7 @@ impl Llama {
                 tracing::info!(layer = l + 1, of = cfg.num_hidden_layers, "loaded layers");
             }
         }
-        let norm = RmsNorm::new(weights.vector("model.norm.weight")?, eps)?;
+        let norm = RmsNorm::new(weights.vector("model.norm.weight", h)?, eps)?;
         let device = weights.device().clone();
         let rope = Rope::new(
             hd,

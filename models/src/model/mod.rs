@@ -88,6 +88,11 @@ impl Model {
         })
     }
 
+    /// The device the weights, the cache and the logits live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// The hyper-parameters.
     pub fn config(&self) -> &ModelConfig {
         &self.config

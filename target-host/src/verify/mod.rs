@@ -60,6 +60,26 @@ pub fn verify(
     acceptance
 }
 
+/// Greedy verification from each row's argmax alone (`argmax.len() == drafts.len() + 1`):
+/// what [`verify`] decides for a greedy sampler without repetition penalty, when only the
+/// argmax ids were copied back from the device.
+pub fn verify_greedy(argmax: &[u32], drafts: &[u32]) -> Acceptance {
+    debug_assert_eq!(
+        argmax.len(),
+        drafts.len() + 1,
+        "one argmax per draft plus one"
+    );
+    let accepted = drafts
+        .iter()
+        .zip(argmax)
+        .take_while(|(d, t)| d == t)
+        .count();
+    Acceptance {
+        accepted,
+        next: argmax[accepted],
+    }
+}
+
 /// Accepts draft `d` under target distribution `p` and draft row `q`, or returns the
 /// replacement token drawn from the residual distribution.
 fn accept_one(
@@ -150,6 +170,33 @@ mod tests {
             }
         );
         assert!(hist.is_empty(), "history is restored");
+    }
+
+    /// The argmax-only path decides exactly what the row path decides for greedy sampling.
+    #[test]
+    fn greedy_ids_agree_with_greedy_rows() {
+        let mut s = sampler(0.0, 0);
+        let mut rng = sampler(1.0, 5);
+        for case in 0..200 {
+            let vocab = 6;
+            let k = case % 5;
+            let rows: Vec<Vec<f32>> = (0..=k)
+                .map(|_| (0..vocab).map(|_| rng.uniform()).collect())
+                .collect();
+            let argmax: Vec<u32> = rows
+                .iter()
+                .map(|r| specula_models::sampling::argmax(r))
+                .collect();
+            // Drafts that follow the target for a while, then (maybe) diverge.
+            let drafts: Vec<u32> = (0..k)
+                .map(|i| match i < case % 3 {
+                    true => argmax[i],
+                    false => (rng.uniform() * vocab as f32) as u32 % vocab as u32,
+                })
+                .collect();
+            let want = verify(&mut s, &rows, &drafts, None, &mut vec![]);
+            assert_eq!(verify_greedy(&argmax, &drafts), want, "case {case}");
+        }
     }
 
     /// The first committed token of a round has the target's distribution, for a drafter that
