@@ -30,6 +30,9 @@ struct Args {
     /// Runs per measurement (median reported).
     #[arg(long, default_value_t = 5)]
     runs: usize,
+    /// Chunk sizes timed after decoding (the first is the base of the ratios).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+    chunks: Vec<usize>,
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -70,42 +73,51 @@ fn main() -> anyhow::Result<()> {
         args.context as f64 / prefill_s
     );
 
-    let mut rates = Vec::new();
-    for _ in 0..args.runs {
-        let t = Instant::now();
-        for tok in tokens(args.decode, vocab) {
-            model.forward(&[tok], &mut cache, &ForwardRequest::default())?;
-        }
-        rates.push(args.decode as f64 / t.elapsed().as_secs_f64());
-        cache.truncate(args.context)?;
-    }
-    println!(
-        "decode: {:.1} tok/s (median of {} runs of {})",
-        median(rates),
-        args.runs,
-        args.decode
-    );
-
-    let mut base = None;
-    for k in [1usize, 2, 4, 8, 16] {
-        let chunk = tokens(k, vocab);
-        let req = ForwardRequest {
-            last_k: k,
-            ..Default::default()
-        };
-        let mut times = Vec::new();
-        for _ in 0..args.runs.max(3) * 2 {
+    if args.decode > 0 {
+        let mut rates = Vec::new();
+        for _ in 0..args.runs {
             let t = Instant::now();
-            model.forward(&chunk, &mut cache, &req)?;
+            for tok in tokens(args.decode, vocab) {
+                model.forward(&[tok], &mut cache, &ForwardRequest::default())?;
+            }
+            rates.push(args.decode as f64 / t.elapsed().as_secs_f64());
+            cache.truncate(args.context)?;
+        }
+        println!(
+            "decode: {:.1} tok/s (median of {} runs of {})",
+            median(rates),
+            args.runs,
+            args.decode
+        );
+    }
+
+    // Sizes alternate within each repetition (1 2 4 8 16 1 2 ...) so that load drift on a
+    // shared machine hits every size alike; the ratios are the point.
+    let mut times = vec![Vec::new(); args.chunks.len()];
+    for _ in 0..args.runs.max(3) * 2 {
+        for (&k, times) in args.chunks.iter().zip(&mut times) {
+            let req = ForwardRequest {
+                last_k: k,
+                ..Default::default()
+            };
+            let t = Instant::now();
+            model.forward(&tokens(k, vocab), &mut cache, &req)?;
             times.push(t.elapsed().as_secs_f64() * 1e3);
             cache.trim(k)?;
         }
+    }
+    // The minimum is the run least disturbed by other processes: on a loaded machine its
+    // ratios are the steadier ones.
+    let mut base = None;
+    for (&k, times) in args.chunks.iter().zip(times) {
+        let min = times.iter().copied().fold(f64::INFINITY, f64::min);
         let ms = median(times);
-        let b = *base.get_or_insert(ms);
+        let (b_med, b_min) = *base.get_or_insert((ms, min));
         println!(
-            "chunk {k:>2} @ ctx {}: {ms:7.2} ms  ratio {:.2}",
+            "chunk {k:>2} @ ctx {}: median {ms:7.2} ms (ratio {:.2})  min {min:7.2} ms (ratio {:.2})",
             args.context,
-            ms / b
+            ms / b_med,
+            min / b_min
         );
     }
     Ok(())

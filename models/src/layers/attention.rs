@@ -13,8 +13,16 @@
 //!  row 1    [ 0 0 ... 0            | 0  0   -inf ]
 //!  row 2    [ 0 0 ... 0            | 0  0    0   ]
 //! ```
+//!
+//! On the CPU, verify windows (up to `ROW_WISE_MAX_ROWS` rows) attend row by row so that
+//! they are bit-identical to one-token decode steps. On a GPU that would be a kernel launch
+//! storm per layer, so every chunk there takes one masked product: bit-identity across chunk
+//! sizes is a CPU guarantee, and on a GPU greedy speculative output equals plain output except
+//! where two logits are within rounding of each other (as in every GPU server).
 
 use candle_core::{Device, Tensor};
+
+mod row_wise;
 
 use crate::error::Result;
 use crate::kv_cache::KvCache;
@@ -110,7 +118,15 @@ impl Attention {
         let q = rope.apply(&q, pos)?;
         let k = rope.apply(&k, pos)?;
         let (k, v) = cache.append(layer, &k, &v)?;
-        let out = if seq > 1 && seq <= ROW_WISE_MAX_ROWS {
+        // CPU decode steps and verify windows over an f32 cache share one kernel whose rows
+        // never depend on the chunk size (see `row_wise`); other dtypes fall through.
+        let cpu_rows = match seq <= ROW_WISE_MAX_ROWS && xs.device().is_cpu() {
+            true => row_wise::attend(&q, &k, &v, pos)?,
+            false => None,
+        };
+        let out = if let Some(out) = cpu_rows {
+            out
+        } else if seq > 1 && seq <= ROW_WISE_MAX_ROWS && xs.device().is_cpu() {
             // Verify windows attend row by row, each with exactly the shapes of a one-token
             // decode step, so a verified token's logits are bit-identical to plain decoding's:
             // quantized activations would amplify a different summation order into visibly

@@ -14,8 +14,15 @@ use crate::layers::qmatmul;
 pub enum Weight {
     /// GGUF blocks; candle dequantizes F32/F16 GGUF tensors to a dense tensor itself.
     Quantized(QMatMul),
-    /// GGUF blocks run by [`crate::layers::qmatmul`] (types candle only has scalar code for).
-    RowBatched(Arc<QTensor>),
+    /// GGUF blocks run by [`crate::layers::qmatmul`] (the types of the models we serve): one
+    /// kernel for decode and verify rows, bit-identical per row.
+    RowBatched {
+        /// The blocks.
+        weight: Arc<QTensor>,
+        /// candle over the same blocks, for chunks longer than any verify window (prefill),
+        /// where candle has a tiled SIMD kernel for the type (`Q4_K`, `Q6_K`, `Q8_0`).
+        prefill: Option<QMatMul>,
+    },
     /// Dense `[out, in]` in any float dtype.
     Dense(Tensor),
 }
@@ -34,7 +41,15 @@ impl Linear {
     /// If candle cannot wrap the tensor.
     pub fn quantized(weight: Arc<QTensor>, bias: Option<Tensor>) -> Result<Self> {
         let weight = match qmatmul::supports(weight.dtype()) && weight.device().is_cpu() {
-            true => Weight::RowBatched(weight),
+            true => Weight::RowBatched {
+                prefill: match weight.dtype() {
+                    GgmlDType::Q4K | GgmlDType::Q6K | GgmlDType::Q8_0 => {
+                        Some(QMatMul::from_arc(weight.clone())?)
+                    }
+                    _ => None,
+                },
+                weight,
+            },
             false => Weight::Quantized(QMatMul::from_arc(weight)?),
         };
         Ok(Self {
@@ -65,16 +80,20 @@ impl Linear {
     /// On a shape mismatch.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let ys = match &self.weight {
-            Weight::Quantized(q) if needs_row_wise(q, xs)? => {
-                // candle's single-row Q6K kernel sums in another order than its multi-row one;
-                // running verify-window rows one by one keeps them bit-identical to decoding.
+            Weight::Quantized(q) if needs_row_wise(q, xs) => {
+                // candle's single-row kernels may sum in another order than its multi-row ones
+                // (Q6K does); running verify-window rows one by one keeps them bit-identical to
+                // decoding for the types `qmatmul` does not cover.
                 let rows = (0..xs.dim(0)?)
                     .map(|i| q.forward(&xs.narrow(0, i, 1)?.contiguous()?))
                     .collect::<candle_core::Result<Vec<_>>>()?;
                 Tensor::cat(&rows, 0)?
             }
             Weight::Quantized(q) => q.forward(&xs.contiguous()?)?,
-            Weight::RowBatched(q) => qmatmul::matmul(q, xs)?,
+            Weight::RowBatched {
+                prefill: Some(q), ..
+            } if xs.dim(0)? > MAX_VERIFY_ROWS => q.forward(&xs.contiguous()?)?,
+            Weight::RowBatched { weight, .. } => qmatmul::matmul(weight, xs)?,
             Weight::Dense(w) if w.dtype() == DType::F32 => xs.matmul(&w.t()?)?,
             // Half-precision weights: multiply in their dtype (no dequantized copy of W).
             Weight::Dense(w) => xs
@@ -89,11 +108,16 @@ impl Linear {
     }
 }
 
+/// The longest verify window (attention's `ROW_WISE_MAX_ROWS`): chunks up to this many rows
+/// must give each row exactly the result of a one-row call; longer ones (prefill) need not.
+const MAX_VERIFY_ROWS: usize = 16;
+
 /// Whether a small chunk of rows must go through `q` one row at a time to get exactly the
-/// results of single-row calls (see [`Linear::forward`]).
-fn needs_row_wise(q: &QMatMul, xs: &Tensor) -> Result<bool> {
+/// results of single-row calls (see [`Linear::forward`]): any block-quantized type left to
+/// candle (dense F32/F16 GGUF tensors are dequantized and use an ordinary matmul).
+fn needs_row_wise(q: &QMatMul, xs: &Tensor) -> bool {
     let rows = xs.dims().first().copied().unwrap_or(1);
-    Ok(xs.rank() == 2
-        && (2..=16).contains(&rows)
-        && matches!(q, QMatMul::QTensor(t) if t.dtype() == GgmlDType::Q6K))
+    xs.rank() == 2
+        && (2..=MAX_VERIFY_ROWS).contains(&rows)
+        && matches!(q, QMatMul::QTensor(t) if !matches!(t.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16))
 }

@@ -1,0 +1,227 @@
+//! Quantized matmul `y = x W^T` for the GGUF block types of the models we serve (`Q4_1`,
+//! `Q5_0`, `Q8_0`, `Q4_K`, `Q6_K`), built so that a k-token verify chunk costs little more
+//! than one decode step *and* gives each row bit-identical results to that step.
+//!
+//! Each weight row is unpacked once per call into a common 32-element form ([`unpack`]) and
+//! dotted with every activation row ([`dot`]); activations are quantized to 8 bits once per
+//! call (ggml's `Q8_1`, one scale per 32 values). A row's arithmetic never depends on how many
+//! rows share the call, so decode (1 row) and verify (k rows) agree exactly:
+//!
+//! ```text
+//!  W  [n, k] raw GGUF blocks               X  [m, k] f32 -> m rows of k/32 (u8 q[32], d, s)
+//!  for each weight row j (rayon, ROWS_PER_TASK per task):
+//!    unpack W[j] -> k/32 Blocks (i8 q[32], scales, min)    (once per call, in L1)
+//!    for each activation row r:  y[r, j] = dot(Blocks, X[r])   (same code for every r)
+//! ```
+//!
+//! Reference: ggml's `vec_dot_q*_q8_*` (`ggml-cpu/arch/x86/quants.c`); the per-lane integer
+//! sums and the sign trick of the AVX2 build come from there.
+
+mod dot;
+mod unpack;
+
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use dot::{ActRow, Isa};
+use unpack::{Block, QK};
+
+/// Weight rows per rayon task: enough work to amortise scheduling.
+const ROWS_PER_TASK: usize = 16;
+
+/// Whether [`matmul`] handles weights of this type.
+pub fn supports(dtype: GgmlDType) -> bool {
+    unpack::supports(dtype)
+}
+
+fn isa() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(Isa::detect)
+}
+
+/// Activation rows quantized to 8 bits per 32 values (see [`ActRow`]).
+struct Acts {
+    q: Vec<u8>,
+    d: Vec<f32>,
+    s: Vec<f32>,
+    k: usize,
+}
+
+impl Acts {
+    /// Quantizes `xs` (`rows * k` values, row-major); each row independently of the others.
+    fn quantize(xs: &[f32], k: usize) -> Acts {
+        #[cfg(target_arch = "x86_64")]
+        if isa() != Isa::Scalar {
+            // SAFETY: every non-scalar `Isa` implies AVX2 and FMA.
+            return unsafe { Self::quantize_avx2(xs, k) };
+        }
+        Self::quantize_body(xs, k)
+    }
+
+    /// [`Acts::quantize`] compiled for AVX2 (vectorized rounding).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn quantize_avx2(xs: &[f32], k: usize) -> Acts {
+        Self::quantize_body(xs, k)
+    }
+
+    #[inline(always)]
+    fn quantize_body(xs: &[f32], k: usize) -> Acts {
+        let blocks = xs.len() / QK;
+        let mut acts = Acts {
+            q: vec![0; xs.len()],
+            d: Vec::with_capacity(blocks),
+            s: Vec::with_capacity(blocks),
+            k,
+        };
+        for (x, q) in xs.chunks_exact(QK).zip(acts.q.chunks_exact_mut(QK)) {
+            let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut sum = 0i32;
+            for (q, v) in q.iter_mut().zip(x) {
+                let v = (v * inv).round_ties_even() as i32;
+                sum += v;
+                *q = (v + 128) as u8;
+            }
+            acts.d.push(d);
+            acts.s.push(d * sum as f32);
+        }
+        acts
+    }
+
+    fn rows(&self) -> Vec<ActRow<'_>> {
+        let kb = self.k / QK;
+        (self.q.chunks_exact(self.k))
+            .zip(self.d.chunks_exact(kb).zip(self.s.chunks_exact(kb)))
+            .map(|(q, (d, s))| ActRow { q, d, s })
+            .collect()
+    }
+}
+
+thread_local! {
+    /// One unpacked weight row per worker thread, reused across calls.
+    static UNPACKED: RefCell<Vec<Block>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The products of weight rows `j0..j0 + out.len() / m` (each `row_bytes` of `weights`) with
+/// all activation rows: `out[(j - j0) * m + r] = y[r, j]`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn rows_task(
+    isa: Isa,
+    unpack_row: impl Fn(GgmlDType, &[u8], &mut [Block]),
+    dtype: GgmlDType,
+    weights: &[u8],
+    row_bytes: usize,
+    acts: &Acts,
+    j0: usize,
+    out: &mut [f32],
+) {
+    let rows = acts.rows();
+    let has_min = unpack::has_min(dtype);
+    UNPACKED.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        buf.resize(acts.k / QK, Block::default());
+        for (jj, ys) in out.chunks_exact_mut(rows.len()).enumerate() {
+            let j = j0 + jj;
+            unpack_row(
+                dtype,
+                &weights[j * row_bytes..(j + 1) * row_bytes],
+                &mut buf,
+            );
+            isa.dot_rows(&buf, has_min, &rows, ys);
+        }
+    })
+}
+
+/// [`rows_task`] with the AVX2 unpacking.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_task_avx2(
+    isa: Isa,
+    dtype: GgmlDType,
+    weights: &[u8],
+    row_bytes: usize,
+    acts: &Acts,
+    j0: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: the caller guarantees the features.
+    let unpack_row =
+        |dtype, row: &[u8], out: &mut [Block]| unsafe { unpack::x86::unpack_row(dtype, row, out) };
+    rows_task(isa, unpack_row, dtype, weights, row_bytes, acts, j0, out)
+}
+
+/// `xs` `[rows, k]` f32 times `w^T` (`w`: `[n, k]` of a type [`supports`] accepts) →
+/// `[rows, n]` f32.
+///
+/// # Errors
+/// If `w` is not 2-D, not on the CPU, of an unsupported type, or `k` does not match.
+pub fn matmul(w: &QTensor, xs: &Tensor) -> Result<Tensor> {
+    let (n, k) = w.shape().dims2()?;
+    let (m, xk) = xs.dims2()?;
+    let dtype = w.dtype();
+    if xk != k || !supports(dtype) || k % unpack::block_elems(dtype) != 0 || !w.device().is_cpu() {
+        return Err(Error::InvalidRequest {
+            op: "qmatmul",
+            reason: format!(
+                "weight {:?} {dtype:?} (cpu: {}) with input {:?}",
+                w.shape(),
+                w.device().is_cpu(),
+                xs.shape()
+            ),
+        });
+    }
+    let data = w.data()?;
+    let row_bytes = k / unpack::block_elems(dtype) * dtype.type_size();
+    let xs: Vec<f32> = xs.flatten_all()?.to_vec1()?;
+    let acts = Acts::quantize(&xs, k);
+    let isa = isa();
+    // out_t[j * m + r] = y[r, j]: each task owns a contiguous range of weight rows.
+    let mut out_t = vec![0f32; n * m];
+    out_t
+        .par_chunks_mut(ROWS_PER_TASK * m)
+        .enumerate()
+        .for_each(|(t, out)| {
+            let j0 = t * ROWS_PER_TASK;
+            #[cfg(target_arch = "x86_64")]
+            if isa != Isa::Scalar {
+                // SAFETY: every non-scalar `Isa` implies AVX2, FMA and F16C.
+                unsafe { rows_task_avx2(isa, dtype, &data, row_bytes, &acts, j0, out) };
+                return;
+            }
+            rows_task(
+                isa,
+                unpack::unpack_row,
+                dtype,
+                &data,
+                row_bytes,
+                &acts,
+                j0,
+                out,
+            )
+        });
+    let ys = match m {
+        1 => out_t,
+        _ => (0..m)
+            .flat_map(|r| (0..n).map(move |j| (r, j)))
+            .map(|(r, j)| out_t[j * m + r])
+            .collect(),
+    };
+    Ok(Tensor::from_vec(ys, (m, n), &Device::Cpu)?)
+}
+
+#[cfg(test)]
+mod tests;
