@@ -131,3 +131,31 @@ fn sampled_generation_with_two_model_completes() {
     // The draft model is the target: its q equals p, so rejection sampling accepts most drafts.
     assert!(stats["acceptance_rate"].as_f64().unwrap() > 0.5, "{stats}");
 }
+
+#[test]
+fn adaptive_draft_length_changes_nothing() {
+    let m = model_path("smollm2-135m");
+    let m_str = m.to_str().expect("utf-8 model path");
+    let plain = json(&generate(&m, &["--dtype", "f32", "--no-speculation"]));
+    let mut args = vec![
+        "--dtype",
+        "f32",
+        "--adaptive-draft",
+        "--num-draft-tokens",
+        "6",
+    ];
+    args.extend(two_model_args(
+        m_str,
+        &["--drafter-arg=--dtype", "--drafter-arg=f32"],
+    ));
+    let spec = json(&generate(&m, &args));
+    assert_eq!(
+        spec["token_ids"], plain["token_ids"],
+        "greedy adaptive spec == greedy plain"
+    );
+    let stats = &spec["stats"];
+    let drafted = stats["drafted"].as_u64().unwrap();
+    let rounds = stats["rounds"].as_u64().unwrap();
+    assert!(drafted > 0 && rounds > 0, "the drafter drafted: {stats}");
+    assert!(drafted <= 6 * rounds, "k stays within the maximum: {stats}");
+}

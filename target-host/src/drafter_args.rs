@@ -29,6 +29,10 @@ pub struct DrafterArgs {
     /// Drafts per round (k).
     #[arg(long, default_value_t = DEFAULT_NUM_DRAFT_TOKENS)]
     pub num_draft_tokens: usize,
+    /// Let the host choose each round's k in `1..=--num-draft-tokens` from the observed
+    /// acceptance and draft cost (see `target_host::adaptive`); off: always k.
+    #[arg(long)]
+    pub adaptive_draft: bool,
     /// Decode without speculation even when a drafter is given.
     #[arg(long)]
     pub no_speculation: bool,
@@ -38,6 +42,19 @@ pub struct DrafterArgs {
 }
 
 impl DrafterArgs {
+    /// The speculation these options ask for when a drafter runs: fixed or adaptive k.
+    pub fn speculation(&self) -> Speculation {
+        let k = self.num_draft_tokens.max(1);
+        match self.adaptive_draft {
+            true => Speculation::Adaptive {
+                max_draft_tokens: k,
+            },
+            false => Speculation::On {
+                num_draft_tokens: k,
+            },
+        }
+    }
+
     /// The client deadlines these options ask for.
     pub fn client_config(&self) -> ClientConfig {
         ClientConfig {
@@ -64,10 +81,7 @@ impl DrafterArgs {
             }
             Err(e) => return Err(e).with_context(|| format!("starting drafter {path}")),
         };
-        let speculation = Speculation::On {
-            num_draft_tokens: self.num_draft_tokens.max(1),
-        };
-        Ok((Some(Box::new(client)), speculation))
+        Ok((Some(Box::new(client)), self.speculation()))
     }
 }
 

@@ -10,7 +10,7 @@
 
 use std::time::Instant;
 
-use candle_core::{IndexOp, Tensor};
+use candle_core::{IndexOp, Tensor, D};
 use serde::Serialize;
 use specula_models::sampling::{log_softmax, Sampler, SamplingParams};
 use specula_models::tokenizer::{StreamDecoder, Tokenizer};
@@ -19,7 +19,7 @@ use specula_models::{ForwardOutput, ForwardRequest, Model, TapId};
 
 use crate::proposer::{Draft, ProposerSlot, SessionId, TapRows, Verdict, Wants};
 use crate::text::{StopMatcher, StopScan};
-use crate::verify::verify;
+use crate::verify::{verify, verify_greedy};
 
 /// Whether and how much to speculate for one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +30,12 @@ pub enum Speculation {
     On {
         /// Drafts per round (k).
         num_draft_tokens: usize,
+    },
+    /// Ask for up to `max_draft_tokens` per round, the host choosing each round's k from the
+    /// request's observed acceptance and draft cost ([`crate::adaptive`]).
+    Adaptive {
+        /// Most drafts per round.
+        max_draft_tokens: usize,
     },
 }
 
@@ -179,7 +185,7 @@ pub fn generate(
     cache.truncate(0)?;
     let mut drafter = DrafterSession::new(req.session, req.sampling.clone());
     let wants = match req.speculation {
-        Speculation::On { .. } => drafter.wants(slot),
+        Speculation::On { .. } | Speculation::Adaptive { .. } => drafter.wants(slot),
         Speculation::Off => Wants::default(),
     };
     // The last prompt token stays pending: it is the first row of the first verify window.
@@ -197,10 +203,11 @@ pub fn generate(
     };
     let prompt_taps = prompt_taps.transpose()?;
     run.stats.prefill_ms = ms(started);
-    if let Speculation::On { .. } = req.speculation {
+    if req.speculation != Speculation::Off {
         drafter.open(slot, &req.prompt_ids, prompt_taps.as_ref());
     }
 
+    let choice = Choice::for_request(req);
     let decode_start = Instant::now();
     let mut pending = req.prompt_ids[n_prompt - 1];
     while run.finish.is_none() {
@@ -210,11 +217,12 @@ pub fn generate(
             break;
         }
         let budget = req.max_tokens - run.ids.len();
-        let k = match req.speculation {
-            // The round commits drafts plus one target token: never draft past the budget.
-            Speculation::On { num_draft_tokens } => num_draft_tokens.min(budget - 1).min(room),
-            Speculation::Off => 0,
-        };
+        // The round commits drafts plus one target token: never draft past the budget.
+        let k = req
+            .speculation
+            .draft_len(&run.stats)
+            .min(budget.saturating_sub(1))
+            .min(room);
         let draft_start = Instant::now();
         let draft = if k > 0 {
             drafter.draft(slot, &run.context, k, model.config().vocab_size)
@@ -235,15 +243,20 @@ pub fn generate(
         let forward_start = Instant::now();
         let out = model.forward(&window, cache, &fwd)?;
         run.stats.target_forwards += 1;
-        let rows: Vec<Vec<f32>> = out.logits.to_vec2()?;
+        // The copy to the host is the sync point of an asynchronous device: it stays inside
+        // the timed forward.
+        let picked = Picked::fetch(&out.logits, choice)?;
         run.stats.forward_ms += ms(forward_start);
-        let acceptance = verify(
-            &mut run.sampler,
-            &rows,
-            &draft.tokens,
-            draft.q.as_deref(),
-            &mut run.context,
-        );
+        let acceptance = match &picked {
+            Picked::Rows(rows) => verify(
+                &mut run.sampler,
+                rows,
+                &draft.tokens,
+                draft.q.as_deref(),
+                &mut run.context,
+            ),
+            Picked::Argmax(ids) => verify_greedy(ids, &draft.tokens),
+        };
         // Keep pending + accepted drafts in the cache; the correction/bonus becomes pending.
         cache.truncate(base + 1 + acceptance.accepted)?;
         let mut committed = draft.tokens[..acceptance.accepted].to_vec();
@@ -275,7 +288,7 @@ pub fn generate(
             );
         }
         for (i, &id) in committed.iter().enumerate() {
-            run.commit(id, &rows[i], sink)?;
+            run.commit(id, picked.row(i), sink)?;
             if run.finish.is_some() {
                 break;
             }
@@ -348,7 +361,7 @@ impl<'a> Run<'a> {
     fn commit(
         &mut self,
         id: u32,
-        logits: &[f32],
+        logits: Option<&[f32]>,
         sink: &mut dyn FnMut(TokenEvent<'_>) -> Flow,
     ) -> anyhow::Result<()> {
         self.context.push(id);
@@ -374,7 +387,11 @@ impl<'a> Run<'a> {
         if self.finish.is_none() && self.ids.len() >= self.req.max_tokens {
             self.finish = Some(FinishReason::Length);
         }
-        let logprob = self.req.logprobs.map(|n| token_logprob(logits, id, n));
+        let logprob = self
+            .req
+            .logprobs
+            .zip(logits)
+            .map(|(n, logits)| token_logprob(logits, id, n));
         let flow = sink(TokenEvent {
             id,
             text: &self.text[self.emitted..upto],
@@ -385,6 +402,50 @@ impl<'a> Run<'a> {
             self.finish = Some(FinishReason::Cancelled);
         }
         Ok(())
+    }
+}
+
+/// What the verify step needs from a forward's logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Choice {
+    /// Every row, on the host: sampling, penalties and logprobs look at whole rows.
+    Rows,
+    /// Plain greedy: only each row's argmax, taken on the device (one `u32` per row copied
+    /// back instead of a vocabulary of floats).
+    Argmax,
+}
+
+impl Choice {
+    fn for_request(req: &GenerationRequest) -> Self {
+        let s = &req.sampling;
+        match s.is_greedy() && s.repetition_penalty == 1.0 && req.logprobs.is_none() {
+            true => Choice::Argmax,
+            false => Choice::Rows,
+        }
+    }
+}
+
+/// A forward's logits brought to the host as [`Choice`] asked.
+enum Picked {
+    Rows(Vec<Vec<f32>>),
+    Argmax(Vec<u32>),
+}
+
+impl Picked {
+    fn fetch(logits: &Tensor, choice: Choice) -> anyhow::Result<Self> {
+        Ok(match choice {
+            Choice::Rows => Picked::Rows(logits.to_vec2()?),
+            // Like sampling::argmax, candle keeps the lowest index of tied maxima.
+            Choice::Argmax => Picked::Argmax(logits.argmax(D::Minus1)?.to_vec1()?),
+        })
+    }
+
+    /// Row `i`'s logits, when they were copied.
+    fn row(&self, i: usize) -> Option<&[f32]> {
+        match self {
+            Picked::Rows(rows) => rows.get(i).map(Vec::as_slice),
+            Picked::Argmax(_) => None,
+        }
     }
 }
 

@@ -4,14 +4,18 @@
 //!
 //! | module | job |
 //! |---|---|
-//! | [`models`] | resolve `--model` (path or fetchable name) and load it |
+//! | [`models`] | resolve `--model` (path, fetchable name, or random weights) and load it |
+//! | [`bench`] | `target-host bench`: bandwidth, decode, verify-window curve, loop overhead |
 //! | [`generation`] | one request: prefill, draft → verify → commit rounds |
+//! | [`adaptive`] | adaptive draft length: each round's k from the observed acceptance |
 //! | [`verify`] | greedy acceptance and lossless rejection sampling |
 //! | [`engine`] | the worker thread and request queue behind the server |
 //! | [`drafter`] | drafter processes: spawn, handshake, supervision; in-process drafters |
 //! | [`drafter_args`] | the `--drafter` command-line options |
 //! | [`http`] | the OpenAI-compatible server and the admin API |
 
+pub mod adaptive;
+pub mod bench;
 pub mod drafter;
 pub mod drafter_args;
 pub mod engine;

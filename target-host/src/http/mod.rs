@@ -147,9 +147,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     } else {
         // Speculate even without a drafter: one may be swapped in later, and with an empty
         // slot a round simply has no drafts.
-        Speculation::On {
-            num_draft_tokens: args.drafter.num_draft_tokens,
-        }
+        args.drafter.speculation()
     };
     let state = Arc::new(AppState {
         engine: engine.clone(),

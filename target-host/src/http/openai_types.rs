@@ -7,8 +7,9 @@
 //! wrong type is a 400 that names the field.
 //!
 //! Specula extensions (both optional, ignored by OpenAI clients):
-//! - request `speculative: {"enabled": bool, "num_draft_tokens": int}` overrides the server's
-//!   speculation for one request (it can only change speed, never the output);
+//! - request `speculative: {"enabled": bool, "num_draft_tokens": int, "adaptive": bool}`
+//!   overrides the server's speculation for one request (it can only change speed, never the
+//!   output); `adaptive` lets the host pick each round's k up to `num_draft_tokens`;
 //! - response `usage.speculative: {drafted, accepted, rounds, mean_accepted_per_round,
 //!   acceptance_rate}`.
 
@@ -49,8 +50,12 @@ pub struct StreamOptions {
 pub struct SpeculativeField {
     /// `false` decodes without a drafter; `true` (default) drafts when a drafter is installed.
     pub enabled: Option<bool>,
-    /// Drafts per round (default: the server's `--num-draft-tokens`).
+    /// Drafts per round (default: the server's `--num-draft-tokens`); the most per round when
+    /// `adaptive`.
     pub num_draft_tokens: Option<usize>,
+    /// `true`: the host picks each round's k in `1..=num_draft_tokens` from the request's
+    /// observed acceptance (`target_host::adaptive`); default: the server's `--adaptive-draft`.
+    pub adaptive: Option<bool>,
 }
 
 /// Fields shared by both generation endpoints, read from the same body as the endpoint's own

@@ -137,8 +137,12 @@ fn speculation(state: &AppState, p: &CommonParams) -> Result<Speculation, ApiErr
     let k = match (spec.num_draft_tokens, state.speculation) {
         (Some(k), _) => k,
         (None, Speculation::On { num_draft_tokens }) => num_draft_tokens,
+        (None, Speculation::Adaptive { max_draft_tokens }) => max_draft_tokens,
         (None, Speculation::Off) => state.default_num_draft_tokens,
     };
+    let adaptive = spec
+        .adaptive
+        .unwrap_or(matches!(state.speculation, Speculation::Adaptive { .. }));
     if k == 0 || k > super::MAX_DRAFT_TOKENS {
         return Err(ApiError::invalid(
             "speculative.num_draft_tokens",
@@ -148,8 +152,13 @@ fn speculation(state: &AppState, p: &CommonParams) -> Result<Speculation, ApiErr
             ),
         ));
     }
-    Ok(Speculation::On {
-        num_draft_tokens: k,
+    Ok(match adaptive {
+        true => Speculation::Adaptive {
+            max_draft_tokens: k,
+        },
+        false => Speculation::On {
+            num_draft_tokens: k,
+        },
     })
 }
 
