@@ -109,11 +109,35 @@ impl ModelConfig {
             path: path.to_path_buf(),
             source,
         })?;
-        let mut cfg: ModelConfig =
-            serde_json::from_str(&text).map_err(|e| Error::InvalidModel {
-                path: path.to_path_buf(),
-                reason: format!("config.json: {e}"),
-            })?;
+        let invalid = |reason: String| Error::InvalidModel {
+            path: path.to_path_buf(),
+            reason: format!("config.json: {reason}"),
+        };
+        let raw: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        let mut cfg = ModelConfig::deserialize(&raw).map_err(|e| invalid(e.to_string()))?;
+        // transformers 5 moved `rope_theta` into `rope_parameters` (older files: `rope_scaling`
+        // beside a top-level `rope_theta`). Only plain rope is implemented: refuse the scaled
+        // kinds instead of decoding with wrong positions.
+        for key in ["rope_parameters", "rope_scaling"] {
+            let Some(rope) = raw.get(key).filter(|v| !v.is_null()) else {
+                continue;
+            };
+            if raw.get("rope_theta").is_none() {
+                if let Some(theta) = rope.get("rope_theta").and_then(|v| v.as_f64()) {
+                    cfg.rope_theta = theta;
+                }
+            }
+            let kind = rope.get("rope_type").or_else(|| rope.get("type"));
+            match kind.and_then(|v| v.as_str()) {
+                None | Some("default") => {}
+                Some(other) => {
+                    return Err(invalid(format!(
+                        "{key}.rope_type `{other}` is not supported (only default rope)"
+                    )))
+                }
+            }
+        }
         match cfg.model_type.as_str() {
             "qwen2" => cfg.attention_bias = true,
             "qwen3" => cfg.qk_norm = true,
@@ -331,6 +355,34 @@ mod tests {
         .unwrap();
         let err = ModelConfig::from_hf_json(&path).unwrap_err().to_string();
         assert!(err.contains("not a multiple"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn hf_json_rope_parameters() {
+        let dir = std::env::temp_dir().join(format!("specula-rope-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("config.json");
+        let with = |rope: &str| {
+            let body = format!(
+                r#"{{"model_type":"qwen2","vocab_size":10,"hidden_size":8,"intermediate_size":16,
+                   "num_hidden_layers":1,"num_attention_heads":2,{rope}}}"#
+            );
+            std::fs::write(&path, body).unwrap();
+            ModelConfig::from_hf_json(&path)
+        };
+        // transformers 5 layout.
+        let cfg = with(r#""rope_parameters":{"rope_theta":1000000.0,"rope_type":"default"}"#);
+        assert_eq!(cfg.unwrap().rope_theta, 1_000_000.0);
+        // transformers 4 layout: a top-level theta and a null scaling.
+        let cfg = with(r#""rope_theta":500000.0,"rope_scaling":null"#);
+        assert_eq!(cfg.unwrap().rope_theta, 500_000.0);
+        // Scaled rope would decode with wrong positions: refused, naming the kind.
+        let err =
+            with(r#""rope_theta":500000.0,"rope_scaling":{"rope_type":"llama3","factor":8.0}"#)
+                .unwrap_err()
+                .to_string();
+        assert!(err.contains("llama3"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
