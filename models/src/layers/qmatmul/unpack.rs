@@ -207,6 +207,24 @@ pub(super) mod x86 {
                     let d = f16(p);
                     store(&mut dst[0], _mm256_set_m128i(hi, lo), d, d, f16(p.add(2)));
                 }
+                GgmlDType::Q5_0 => {
+                    let qs = _mm_loadu_si128(p.add(6) as *const __m128i);
+                    let m4 = _mm_set1_epi8(0x0F);
+                    let lo = _mm_and_si128(qs, m4);
+                    let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m4);
+                    // Element i takes bit i of qh as its 5th bit.
+                    let qh = u32::from_le_bytes([*p.add(2), *p.add(3), *p.add(4), *p.add(5)]);
+                    let fifth = _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10));
+                    let q = _mm256_or_si256(_mm256_set_m128i(hi, lo), fifth);
+                    let d = f16(p);
+                    store(
+                        &mut dst[0],
+                        _mm256_sub_epi8(q, _mm256_set1_epi8(16)),
+                        d,
+                        d,
+                        0.0,
+                    );
+                }
                 GgmlDType::Q8_0 => {
                     let d = f16(p);
                     let q = _mm256_loadu_si256(p.add(2) as *const __m256i);
@@ -217,6 +235,20 @@ pub(super) mod x86 {
                 _ => super::unpack_row(dtype, src, dst),
             }
         }
+    }
+
+    /// Byte i is 0xFF where bit i of `x` is set, else 0 (ggml's `bytes_from_bits_32`).
+    #[inline(always)]
+    unsafe fn bytes_from_bits(x: u32) -> __m256i {
+        let spread = _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        );
+        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x as i32), spread);
+        let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe_u64 as i64);
+        _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi64x(-1))
     }
 
     #[inline(always)]
