@@ -183,17 +183,13 @@ pub fn load(name: &str, config: ModelConfig, opts: &LoadOptions) -> Result<Loade
     })
 }
 
-/// A word-level tokenizer of `vocab` tokens `t0 t1 ...` (whitespace-separated text), with no
-/// special tokens: nothing ends generation early.
-///
-/// # Errors
-/// [`Error::Io`] if its `tokenizer.json` cannot be written to the temp directory,
-/// [`Error::Tokenizer`] if it cannot be read back.
-pub fn synthetic_tokenizer(vocab: usize) -> Result<Tokenizer> {
+/// The `tokenizer.json` of a word-level tokenizer whose token `i` is the text `t{i}`
+/// (whitespace-separated, no special tokens, unknown words map to `t0`).
+pub fn word_level_tokenizer_json(vocab: usize) -> serde_json::Value {
     let vocab_map: serde_json::Map<String, serde_json::Value> = (0..vocab)
         .map(|i| (format!("t{i}"), serde_json::Value::from(i)))
         .collect();
-    let json = serde_json::json!({
+    serde_json::json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
@@ -203,7 +199,17 @@ pub fn synthetic_tokenizer(vocab: usize) -> Result<Tokenizer> {
         "post_processor": null,
         "decoder": null,
         "model": {"type": "WordLevel", "vocab": vocab_map, "unk_token": "t0"},
-    });
+    })
+}
+
+/// A word-level tokenizer of `vocab` tokens `t0 t1 ...` (whitespace-separated text), with no
+/// special tokens: nothing ends generation early.
+///
+/// # Errors
+/// [`Error::Io`] if its `tokenizer.json` cannot be written to the temp directory,
+/// [`Error::Tokenizer`] if it cannot be read back.
+pub fn synthetic_tokenizer(vocab: usize) -> Result<Tokenizer> {
+    let json = word_level_tokenizer_json(vocab);
     // Tokenizer reads HF folders only: write one, private to this call.
     static CALLS: AtomicUsize = AtomicUsize::new(0);
     let dir = std::env::temp_dir().join(format!(

@@ -8,20 +8,7 @@ use specula_models::testing::TinyModel;
 /// Writes a word-level tokenizer for ids `0..vocab` (token `t{i}`), with `t2` as EOS and `t1`
 /// as BOS (matching [`TinyModel::tiny_config`]).
 pub fn write_tiny_tokenizer(dir: &Path, vocab: usize) -> std::io::Result<()> {
-    let tokens: serde_json::Map<String, serde_json::Value> = (0..vocab)
-        .map(|i| (format!("t{i}"), serde_json::Value::from(i)))
-        .collect();
-    let tokenizer = serde_json::json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": [],
-        "normalizer": null,
-        "pre_tokenizer": {"type": "WhitespaceSplit"},
-        "post_processor": null,
-        "decoder": null,
-        "model": {"type": "WordLevel", "vocab": tokens, "unk_token": "t0"}
-    });
+    let tokenizer = specula_models::random::word_level_tokenizer_json(vocab);
     std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string())?;
     let config = serde_json::json!({"bos_token": "t1", "eos_token": "t2", "add_bos_token": false});
     std::fs::write(dir.join("tokenizer_config.json"), config.to_string())
