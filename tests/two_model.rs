@@ -47,14 +47,17 @@ fn two_model_args<'a>(draft: &'a str, more: &[&'a str]) -> Vec<&'a str> {
     args
 }
 
-#[test]
-fn smollm_drafting_for_itself_is_accepted_and_changes_nothing() {
+/// SmolLM2 drafting for itself, both sides in f32, with `host` options added: returns the
+/// speculative result after checking that its ids and text equal plain greedy decoding.
+///
+/// f32 on both sides: the verify forward runs several rows where plain decoding runs one, and
+/// only dense f32 keeps those argmaxes equal (see the report on quantized batch shapes).
+fn self_drafting_equals_plain(host: &[&str]) -> serde_json::Value {
     let m = model_path("smollm2-135m");
     let m_str = m.to_str().expect("utf-8 model path");
-    // f32 on both sides: the verify forward runs 5 rows where plain decoding runs 1, and only
-    // dense f32 keeps those argmaxes equal (see the report on quantized batch shapes).
     let plain = json(&generate(&m, &["--dtype", "f32", "--no-speculation"]));
     let mut args = vec!["--dtype", "f32"];
+    args.extend_from_slice(host);
     args.extend(two_model_args(
         m_str,
         &["--drafter-arg=--dtype", "--drafter-arg=f32"],
@@ -62,9 +65,15 @@ fn smollm_drafting_for_itself_is_accepted_and_changes_nothing() {
     let spec = json(&generate(&m, &args));
     assert_eq!(
         spec["token_ids"], plain["token_ids"],
-        "greedy spec == greedy plain"
+        "greedy spec ({host:?}) == greedy plain"
     );
     assert_eq!(spec["text"], plain["text"]);
+    spec
+}
+
+#[test]
+fn smollm_drafting_for_itself_is_accepted_and_changes_nothing() {
+    let spec = self_drafting_equals_plain(&[]);
     let stats = &spec["stats"];
     let drafted = stats["drafted"].as_u64().unwrap();
     assert!(drafted >= 20, "the drafter drafted: {stats}");
@@ -134,25 +143,7 @@ fn sampled_generation_with_two_model_completes() {
 
 #[test]
 fn adaptive_draft_length_changes_nothing() {
-    let m = model_path("smollm2-135m");
-    let m_str = m.to_str().expect("utf-8 model path");
-    let plain = json(&generate(&m, &["--dtype", "f32", "--no-speculation"]));
-    let mut args = vec![
-        "--dtype",
-        "f32",
-        "--adaptive-draft",
-        "--num-draft-tokens",
-        "6",
-    ];
-    args.extend(two_model_args(
-        m_str,
-        &["--drafter-arg=--dtype", "--drafter-arg=f32"],
-    ));
-    let spec = json(&generate(&m, &args));
-    assert_eq!(
-        spec["token_ids"], plain["token_ids"],
-        "greedy adaptive spec == greedy plain"
-    );
+    let spec = self_drafting_equals_plain(&["--adaptive-draft", "--num-draft-tokens", "6"]);
     let stats = &spec["stats"];
     let drafted = stats["drafted"].as_u64().unwrap();
     let rounds = stats["rounds"].as_u64().unwrap();

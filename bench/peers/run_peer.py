@@ -10,7 +10,8 @@ Engines (the "engine" of a configuration) and drafters:
   llama-cpp     none: llama-cpp-python greedy decoding; prompt-lookup: LlamaPromptLookupDecoding
                 (num_pred_tokens = k); draft-model: the llama.cpp `llama-speculative` binary from
                 --bin-dir (--draft-max k), one process per generation, timings parsed from its log.
-  mlx-lm        none / draft-model (stream_generate with draft_model, num_draft_tokens = k), CPU.
+  mlx-lm        none / draft-model (stream_generate with draft_model, num_draft_tokens = k), CPU;
+                with MKL preloaded when the venv has it (see with_fast_blas).
   transformers  none / prompt-lookup (prompt_lookup_num_tokens = k) / draft-model
                 (assistant_model, num_assistant_tokens = k, constant schedule), float32, 2 threads.
 
@@ -199,10 +200,29 @@ class LlamaSpeculative:
                 "drafted": drafted, "accepted": accepted, "token_ids": []}
 
 
-class MlxLm:
-    """mlx-lm on the CPU: plain or with a draft model."""
+class HfFolderPeer:
+    """A peer that reads the dequantized HF folders (mlx-lm, transformers): loads each folder
+    once per worker, whichever configuration asks first."""
 
     cache: dict = {}
+
+    @classmethod
+    def load(cls, path: str):
+        if not path or not os.path.exists(os.path.join(path, "config.json")):
+            raise Skip(f"no dequantized HF folder at {path} (run scripts/setup-peers)")
+        key = (cls.__name__, path)
+        if key not in HfFolderPeer.cache:
+            HfFolderPeer.cache[key] = cls.open(path)
+        return HfFolderPeer.cache[key]
+
+    @staticmethod
+    def open(path: str):
+        """(model, tokenizer) read from the folder."""
+        raise NotImplementedError
+
+
+class MlxLm(HfFolderPeer):
+    """mlx-lm on the CPU: plain or with a draft model."""
 
     def __init__(self, config: dict, args) -> None:
         mx = require("mlx.core")
@@ -212,22 +232,18 @@ class MlxLm:
 
         mx.set_default_device(mx.cpu)
         self.mx, self.stream_generate, self.make_sampler = mx, stream_generate, make_sampler
-        self.engine = f"mlx-lm {getattr(mlx_lm, '__version__', '?')} (CPU)"
+        self.engine = f"mlx-lm {getattr(mlx_lm, '__version__', '?')} (CPU, {blas_name()})"
         self.model, self.tokenizer = self.load(args.hf_dir)
         self.draft, self.k = None, config.get("k")
         if config.get("drafter") == "draft-model":
             self.draft, _ = self.load(args.drafts.get(config["draft_model"], {}).get("hf_dir", ""))
         self.prompts = [hf_prompt(self.tokenizer, item) for item in args.items]
 
-    @classmethod
-    def load(cls, path: str):
-        if not path or not os.path.exists(os.path.join(path, "config.json")):
-            raise Skip(f"no dequantized HF folder at {path} (run scripts/setup-peers)")
-        if path not in cls.cache:
-            from mlx_lm import load
+    @staticmethod
+    def open(path: str):
+        from mlx_lm import load
 
-            cls.cache[path] = load(path)
-        return cls.cache[path]
+        return load(path)
 
     def run(self, i: int, item: dict, temperature: float) -> dict:
         self.mx.random.seed(item.get("seed", 0))
@@ -259,10 +275,8 @@ def hf_prompt(tokenizer, item: dict) -> list[int]:
     return list(tokenizer.encode(item["prompt"]))
 
 
-class Transformers:
+class Transformers(HfFolderPeer):
     """Hugging Face transformers generate(): plain, prompt lookup, or assisted by a draft model."""
-
-    cache: dict = {}
 
     def __init__(self, config: dict, args) -> None:
         torch = require("torch")
@@ -281,17 +295,13 @@ class Transformers:
             self.extra = dict(assistant_model=draft)
         self.prompts = [hf_prompt(self.tokenizer, item) for item in args.items]
 
-    @classmethod
-    def load(cls, path: str):
-        if not path or not os.path.exists(os.path.join(path, "config.json")):
-            raise Skip(f"no dequantized HF folder at {path} (run scripts/setup-peers)")
-        if path not in cls.cache:
-            import torch
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+    @staticmethod
+    def open(path: str):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
-            cls.cache[path] = (model.eval(), AutoTokenizer.from_pretrained(path))
-        return cls.cache[path]
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+        return model.eval(), AutoTokenizer.from_pretrained(path)
 
     def run(self, i: int, item: dict, temperature: float) -> dict:
         from transformers.generation.streamers import BaseStreamer
@@ -341,6 +351,34 @@ def make(config: dict, args):
     raise Skip(f"unknown engine {engine}")
 
 
+def with_fast_blas(configs: list[dict]) -> None:
+    """mlx-cpu's Linux wheel links the reference (netlib) BLAS: its f32 gemm runs at 1.4 GFLOP/s
+    on the 2-core dev box, so a 1.5B prefill of 150 tokens takes minutes. When scripts/setup-peers
+    has put Intel's MKL into the venv, this re-runs an mlx-lm worker with libmkl_rt preloaded, so
+    mlx's cblas calls resolve to MKL (about 50x on that gemm). SPECULA_MLX_BLAS=reference keeps
+    the wheel's own BLAS."""
+    if not any(c.get("engine") == "mlx-lm" for c in configs):
+        return
+    if os.environ.get("SPECULA_MLX_BLAS") == "reference" or "libmkl_rt" in os.environ.get("LD_PRELOAD", ""):
+        return
+    lib_dir = os.path.join(sys.prefix, "lib")
+    mkl = sorted(f for f in os.listdir(lib_dir) if f.startswith("libmkl_rt.so."))
+    if not mkl:
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = os.path.join(lib_dir, mkl[-1])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (lib_dir, env.get("LD_LIBRARY_PATH")) if p)
+    env.setdefault("MKL_THREADING_LAYER", "GNU")
+    env.setdefault("MKL_NUM_THREADS", str(THREADS))
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def blas_name() -> str:
+    """Which BLAS this process's mlx calls: MKL when preloaded (see with_fast_blas)."""
+    return "MKL BLAS" if "libmkl_rt" in os.environ.get("LD_PRELOAD", "") else "the wheel's reference BLAS"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", required=True, help="JSON list of configurations (bench/src/suite.rs)")
@@ -353,6 +391,7 @@ def main() -> int:
     args.drafts = json.loads(args.drafts)
     args.items = load_items(args.items)
     configs = json.loads(args.configs)
+    with_fast_blas(configs)
     runners = []
     for config in configs:
         try:

@@ -64,6 +64,17 @@ fn group_table(md: &mut String, g: &GroupResults) {
         g.items.len(),
         tags.join(", ")
     );
+    let mut engines: Vec<&str> = Vec::new();
+    for c in &g.configs {
+        if let Some(e) = c.ready.as_ref().map(|r| r.engine.as_str()) {
+            if !engines.contains(&e) {
+                engines.push(e);
+            }
+        }
+    }
+    if !engines.is_empty() {
+        let _ = writeln!(md, "Engines: {}.\n", engines.join("; "));
+    }
     md.push_str("| configuration | tok/s | speed-up | vs Specula plain | TTFT ms | accept | tau | fwd/tok | draft ms | IPC p50/p99 µs | RSS MB host/drafter | same |\n");
     md.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     let mut skipped = Vec::new();
@@ -119,7 +130,11 @@ fn group_table(md: &mut String, g: &GroupResults) {
         }
         md.push('\n');
     }
-    for c in skipped {
+    // A configuration stopped before its first measured generation has its STOPPED line below.
+    for c in skipped
+        .into_iter()
+        .filter(|c| c.skipped.is_some() || c.stopped.is_none())
+    {
         let why = c
             .skipped
             .as_deref()
@@ -268,7 +283,7 @@ pub fn replace_section(doc: &str, section: &str) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::messages::Sample;
+    use crate::messages::{Ready, Sample};
     use crate::results::{ConfigResults, GroupResults};
     use crate::stats::Record;
     use crate::suite::Group;
@@ -293,7 +308,8 @@ mod tests {
             r#"{"name":"Smol","model":"smollm2-135m","configs":[
                 {"name":"plain","engine":"specula"},
                 {"name":"llama.cpp plain","engine":"llama-cpp"},
-                {"name":"mlx plain","engine":"mlx-lm"}]}"#,
+                {"name":"mlx plain","engine":"mlx-lm"},
+                {"name":"tf plain","engine":"transformers"}]}"#,
         )
         .unwrap();
         let mut configs: Vec<ConfigResults> = group
@@ -305,6 +321,16 @@ mod tests {
         configs[0].records = vec![record(0, specula_plain), record(1, specula_plain)];
         configs[1].records = vec![record(0, peer_plain), record(1, peer_plain)];
         configs[2].skipped = Some("mlx_lm is not installed".into());
+        configs[3].stopped = Some("stopped after 70 s, over the 60 s budget".into());
+        for (c, engine) in configs
+            .iter_mut()
+            .zip(["specula 0.1.0", "llama-cpp-python 0.3.36"])
+        {
+            c.ready = Some(Ready {
+                engine: engine.into(),
+                load_s: 0.1,
+            });
+        }
         let mut g = GroupResults {
             group,
             items: parse("w", "{\"tag\":\"chat\",\"prompt\":\"x\",\"max_tokens\":8}").unwrap(),
@@ -336,6 +362,15 @@ mod tests {
         assert!(
             md.contains("**SKIPPED** mlx plain: mlx_lm is not installed"),
             "{md}"
+        );
+        assert!(
+            md.contains("Engines: specula 0.1.0; llama-cpp-python 0.3.36.\n"),
+            "{md}"
+        );
+        assert!(
+            md.contains("**STOPPED** tf plain: stopped after 70 s")
+                && !md.contains("**SKIPPED** tf"),
+            "a stopped configuration is reported once: {md}"
         );
         assert!(
             md.contains("is **behind** llama.cpp plain by 50% (50.0 vs 100.0 tok/s)"),

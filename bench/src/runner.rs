@@ -237,7 +237,8 @@ fn run_group(
             continue;
         };
         let r = &mut results[slot.config];
-        if let Some(budget) = suite.config_budget_s.filter(|b| spent[slot.config] > *b) {
+        let budget = r.config.budget_s.or(suite.config_budget_s);
+        if let Some(budget) = budget.filter(|b| spent[slot.config] > *b) {
             let why = format!(
                 "stopped after {:.0} s, over the {budget:.0} s budget per configuration",
                 spent[slot.config]

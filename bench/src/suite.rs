@@ -87,6 +87,10 @@ pub struct Config {
     /// first plain configuration of the same engine, see [`Group::baseline_of`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub baseline: Option<String>,
+    /// This configuration's own generation budget, seconds (default: the suite's
+    /// `config_budget_s`): for a peer known to be slow that should still finish.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget_s: Option<f64>,
 }
 
 impl Config {
@@ -150,6 +154,11 @@ impl Config {
             (true, Some(0)) => bail!("\"k\" must be at least 1"),
             (false, Some(_)) => bail!("\"k\" without a drafter"),
             _ => {}
+        }
+        if let Some(b) = self.budget_s {
+            if !(b > 0.0 && b.is_finite()) {
+                bail!("\"budget_s\" must be a positive number of seconds");
+            }
         }
         if let Some(t) = self.temperature {
             if !(t >= 0.0 && t.is_finite()) {
@@ -387,6 +396,7 @@ mod tests {
                 r#"{"name":"a","engine":"specula","drafter":"ngram","k":0}"#,
                 "at least 1",
             ),
+            (r#"{"name":"a","engine":"mlx-lm","budget_s":0}"#, "budget_s"),
         ];
         for (json, want) in bad {
             let err = format!("{:#}", config(json).validate().unwrap_err());

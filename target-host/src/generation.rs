@@ -529,25 +529,15 @@ impl DrafterSession {
 }
 
 /// Last line of defence: whatever a proposer returns, the loop only verifies in-vocabulary
-/// drafts, at most `n`, with well-formed `q` rows (or none).
-fn sanitize(mut draft: Draft, n: usize, vocab: usize) -> Draft {
-    if draft.tokens.len() > n || draft.tokens.iter().any(|&t| t as usize >= vocab) {
-        return Draft::default();
-    }
-    if let Some(q) = &draft.q {
-        let ok = q.len() == draft.tokens.len()
-            && q.iter().all(|row| {
-                row.len() == vocab && row.iter().all(|x| x.is_finite() && *x >= 0.0) && {
-                    let s: f32 = row.iter().sum();
-                    (s - 1.0).abs() < 1e-2
-                }
-            });
-        if !ok {
-            draft.q = None;
-            return Draft::default();
+/// drafts, at most `n`, with well-formed `q` rows (or none); anything else costs the round.
+fn sanitize(draft: Draft, n: usize, vocab: usize) -> Draft {
+    match crate::drafter::validate::check(&draft.tokens, draft.q.as_deref(), n, vocab as u32) {
+        Ok(()) => draft,
+        Err(why) => {
+            tracing::warn!(%why, "draft discarded");
+            Draft::default()
         }
     }
-    draft
 }
 
 fn tap_ids(wants: &Wants) -> Vec<TapId> {

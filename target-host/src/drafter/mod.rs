@@ -14,7 +14,7 @@ pub mod handshake;
 pub mod inprocess;
 pub mod process;
 pub mod supervisor;
-mod validate;
+pub(crate) mod validate;
 
 use std::collections::VecDeque;
 use std::path::PathBuf;

@@ -20,19 +20,31 @@ pub(super) fn validate(
     if row.session != session {
         return Err(format!("row for session {}, asked {session}", row.session));
     }
-    if row.tokens.len() > n {
-        return Err(format!("{} tokens, asked at most {n}", row.tokens.len()));
+    check(&row.tokens, row.q.as_deref(), n, vocab_size)?;
+    Ok(Draft {
+        tokens: row.tokens,
+        q: row.q,
+    })
+}
+
+/// Whether `tokens` (with their draft distributions `q`, when sent) may be verified: at most
+/// `n` ids, all inside the vocabulary, and one finite, non-negative `q` row summing to 1 per
+/// token. Used on every draft, whether it came over IPC or from an in-process proposer.
+pub(crate) fn check(
+    tokens: &[u32],
+    q: Option<&[Vec<f32>]>,
+    n: usize,
+    vocab_size: u32,
+) -> Result<(), String> {
+    if tokens.len() > n {
+        return Err(format!("{} tokens, asked at most {n}", tokens.len()));
     }
-    if let Some(&id) = row.tokens.iter().find(|&&id| id >= vocab_size) {
+    if let Some(&id) = tokens.iter().find(|&&id| id >= vocab_size) {
         return Err(format!("id {id} is outside the vocabulary of {vocab_size}"));
     }
-    if let Some(q) = &row.q {
-        if q.len() != row.tokens.len() {
-            return Err(format!(
-                "{} q rows for {} tokens",
-                q.len(),
-                row.tokens.len()
-            ));
+    if let Some(q) = q {
+        if q.len() != tokens.len() {
+            return Err(format!("{} q rows for {} tokens", q.len(), tokens.len()));
         }
         for (i, p) in q.iter().enumerate() {
             if p.len() != vocab_size as usize {
@@ -50,10 +62,7 @@ pub(super) fn validate(
             }
         }
     }
-    Ok(Draft {
-        tokens: row.tokens,
-        q: row.q,
-    })
+    Ok(())
 }
 
 #[cfg(test)]

@@ -21,15 +21,18 @@ use rayon::prelude::*;
 
 use crate::error::Result;
 
-/// The shapes of one call.
+/// What every (row, head) of one call reads: the shapes and the q, K, V data.
 #[derive(Clone, Copy)]
-struct Dims {
+struct Inputs<'a> {
     groups: usize,
     seq: usize,
     d: usize,
     pos: usize,
     /// Elements between two KV heads in the cache buffers.
     head_stride: usize,
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
 }
 
 thread_local! {
@@ -77,20 +80,21 @@ pub(super) fn attend(q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<O
     if kst != vst || kst[1] != d || kst[2] != 1 {
         return Ok(None);
     }
-    let kd = &kc.as_slice::<f32>()?[kl.start_offset()..];
-    let vd = &vc.as_slice::<f32>()?[vl.start_offset()..];
-    let dims = Dims {
+    let inputs = Inputs {
         groups: n_heads / kv_heads,
         seq,
         d,
         pos,
         head_stride: kst[0],
+        q: &q,
+        k: &kc.as_slice::<f32>()?[kl.start_offset()..],
+        v: &vc.as_slice::<f32>()?[vl.start_offset()..],
     };
     let mut out = vec![0f32; seq * n_heads * d];
     // Chunk `c` is (row c / n_heads, head c % n_heads): out is [seq, n_heads * d] row-major.
     out.par_chunks_mut(d).enumerate().for_each(|(c, out)| {
         let (i, h) = (c / n_heads, c % n_heads);
-        SCORES.with(|s| head_row(dims, &q, kd, vd, i, h, &mut s.borrow_mut(), out));
+        SCORES.with(|s| head_row(inputs, i, h, &mut s.borrow_mut(), out));
     });
     Ok(Some(Tensor::from_vec(
         out,
@@ -100,23 +104,13 @@ pub(super) fn attend(q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<O
 }
 
 /// Row `i`, head `h`: softmax(q K^T / sqrt(d)) V over positions `0..pos + i + 1`.
-#[allow(clippy::too_many_arguments)]
-fn head_row(
-    dims: Dims,
-    q: &[f32],
-    kd: &[f32],
-    vd: &[f32],
-    i: usize,
-    h: usize,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
+fn head_row(inputs: Inputs, i: usize, h: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has AVX2 and FMA (checked just above).
-        return unsafe { head_row_avx2(dims, q, kd, vd, i, h, scores, out) };
+        return unsafe { head_row_avx2(inputs, i, h, scores, out) };
     }
-    head_row_body(dims, q, kd, vd, i, h, scores, out)
+    head_row_body(inputs, i, h, scores, out)
 }
 
 /// [`head_row_body`] compiled for AVX2 so its fixed-width loops vectorize.
@@ -125,41 +119,27 @@ fn head_row(
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn head_row_avx2(
-    dims: Dims,
-    q: &[f32],
-    kd: &[f32],
-    vd: &[f32],
+    inputs: Inputs,
     i: usize,
     h: usize,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    head_row_body(dims, q, kd, vd, i, h, scores, out)
+    head_row_body(inputs, i, h, scores, out)
 }
 
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn head_row_body(
-    dims: Dims,
-    q: &[f32],
-    kd: &[f32],
-    vd: &[f32],
-    i: usize,
-    h: usize,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    let Dims { d, .. } = dims;
-    let len = dims.pos + i + 1;
-    let base = (h / dims.groups) * dims.head_stride;
-    let qv = &q[(h * dims.seq + i) * d..(h * dims.seq + i + 1) * d];
+fn head_row_body(inputs: Inputs, i: usize, h: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
+    let Inputs { d, q, k, v, .. } = inputs;
+    let len = inputs.pos + i + 1;
+    let base = (h / inputs.groups) * inputs.head_stride;
+    let qv = &q[(h * inputs.seq + i) * d..(h * inputs.seq + i + 1) * d];
     let scale = 1.0 / (d as f32).sqrt();
     scores.resize(len, 0.0);
     // PyTorch: attn_weights = torch.matmul(query, key.transpose(2, 3)) * self.scaling
     for (t, s) in scores.iter_mut().enumerate() {
-        *s = dot(qv, &kd[base + t * d..base + (t + 1) * d]) * scale;
+        *s = dot(qv, &k[base + t * d..base + (t + 1) * d]) * scale;
     }
     let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
     let mut sum = 0f32;
@@ -169,7 +149,7 @@ fn head_row_body(
     }
     out.fill(0.0);
     for (t, &p) in scores.iter().enumerate() {
-        let vt = &vd[base + t * d..base + (t + 1) * d];
+        let vt = &v[base + t * d..base + (t + 1) * d];
         for (o, &x) in out.iter_mut().zip(vt) {
             *o += p * x;
         }

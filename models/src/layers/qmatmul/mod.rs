@@ -112,20 +112,33 @@ thread_local! {
     static UNPACKED: RefCell<Vec<Block>> = const { RefCell::new(Vec::new()) };
 }
 
-/// The products of weight rows `j0..j0 + out.len() / m` (each `row_bytes` of `weights`) with
-/// all activation rows: `out[(j - j0) * m + r] = y[r, j]`.
-#[allow(clippy::too_many_arguments)]
+/// One matmul call's operands, shared by every task.
+#[derive(Clone, Copy)]
+struct Operands<'a> {
+    isa: Isa,
+    dtype: GgmlDType,
+    /// Packed weight rows, `row_bytes` each.
+    weights: &'a [u8],
+    row_bytes: usize,
+    acts: &'a Acts,
+}
+
+/// The products of weight rows `j0..j0 + out.len() / m` with all activation rows:
+/// `out[(j - j0) * m + r] = y[r, j]`.
 #[inline(always)]
 fn rows_task(
-    isa: Isa,
+    ops: Operands,
     unpack_row: impl Fn(GgmlDType, &[u8], &mut [Block]),
-    dtype: GgmlDType,
-    weights: &[u8],
-    row_bytes: usize,
-    acts: &Acts,
     j0: usize,
     out: &mut [f32],
 ) {
+    let Operands {
+        isa,
+        dtype,
+        weights,
+        row_bytes,
+        acts,
+    } = ops;
     let rows = acts.rows();
     let has_min = unpack::has_min(dtype);
     UNPACKED.with(|buf| {
@@ -149,19 +162,11 @@ fn rows_task(
 /// The CPU must support AVX2, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_task_avx2(
-    isa: Isa,
-    dtype: GgmlDType,
-    weights: &[u8],
-    row_bytes: usize,
-    acts: &Acts,
-    j0: usize,
-    out: &mut [f32],
-) {
+unsafe fn rows_task_avx2(ops: Operands, j0: usize, out: &mut [f32]) {
     // SAFETY: the caller guarantees the features.
     let unpack_row =
         |dtype, row: &[u8], out: &mut [Block]| unsafe { unpack::x86::unpack_row(dtype, row, out) };
-    rows_task(isa, unpack_row, dtype, weights, row_bytes, acts, j0, out)
+    rows_task(ops, unpack_row, j0, out)
 }
 
 /// `xs` `[rows, k]` f32 times `w^T` (`w`: `[n, k]` of a type [`supports`] accepts) →
@@ -188,7 +193,13 @@ pub fn matmul(w: &QTensor, xs: &Tensor) -> Result<Tensor> {
     let row_bytes = k / unpack::block_elems(dtype) * dtype.type_size();
     let xs: Vec<f32> = xs.flatten_all()?.to_vec1()?;
     let acts = Acts::quantize(&xs, k);
-    let isa = isa();
+    let ops = Operands {
+        isa: isa(),
+        dtype,
+        weights: &data,
+        row_bytes,
+        acts: &acts,
+    };
     // out_t[j * m + r] = y[r, j]: each task owns a contiguous range of weight rows.
     let mut out_t = vec![0f32; n * m];
     out_t
@@ -197,21 +208,12 @@ pub fn matmul(w: &QTensor, xs: &Tensor) -> Result<Tensor> {
         .for_each(|(t, out)| {
             let j0 = t * ROWS_PER_TASK;
             #[cfg(target_arch = "x86_64")]
-            if isa != Isa::Scalar {
+            if ops.isa != Isa::Scalar {
                 // SAFETY: every non-scalar `Isa` implies AVX2, FMA and F16C.
-                unsafe { rows_task_avx2(isa, dtype, &data, row_bytes, &acts, j0, out) };
+                unsafe { rows_task_avx2(ops, j0, out) };
                 return;
             }
-            rows_task(
-                isa,
-                unpack::unpack_row,
-                dtype,
-                &data,
-                row_bytes,
-                &acts,
-                j0,
-                out,
-            )
+            rows_task(ops, unpack::unpack_row, j0, out)
         });
     let ys = match m {
         1 => out_t,

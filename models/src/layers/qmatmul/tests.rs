@@ -37,23 +37,33 @@ fn weight(rng: &mut rand::rngs::StdRng, dtype: GgmlDType) -> (QTensor, Tensor) {
     (q, dense)
 }
 
+/// Every row of `q` unpacked by this build's [`unpack::unpack_row`].
+fn unpacked_rows(q: &QTensor) -> Vec<Vec<Block>> {
+    let (n, k) = q.shape().dims2().unwrap();
+    let data = q.data().unwrap();
+    let row_bytes = data.len() / n;
+    (0..n)
+        .map(|j| {
+            let mut blocks = vec![Block::default(); k / QK];
+            unpack::unpack_row(
+                q.dtype(),
+                &data[j * row_bytes..(j + 1) * row_bytes],
+                &mut blocks,
+            );
+            blocks
+        })
+        .collect()
+}
+
 /// `scale * q + min` of the unpacked blocks is candle's dequantization of the same bytes.
 #[test]
 fn unpack_matches_candle_dequantize() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     for dtype in TYPES {
         let (q, dense) = weight(&mut rng, dtype);
-        let (n, k) = dense.dims2().unwrap();
+        let k = dense.dim(1).unwrap();
         let dense: Vec<f32> = dense.flatten_all().unwrap().to_vec1().unwrap();
-        let data = q.data().unwrap();
-        let row_bytes = data.len() / n;
-        let mut blocks = vec![Block::default(); k / QK];
-        for j in 0..n {
-            unpack::unpack_row(
-                dtype,
-                &data[j * row_bytes..(j + 1) * row_bytes],
-                &mut blocks,
-            );
+        for (j, blocks) in unpacked_rows(&q).iter().enumerate() {
             for (b, blk) in blocks.iter().enumerate() {
                 for i in 0..QK {
                     let ours = blk.scale[i / 4] * blk.q[i] as f32 + blk.min;
@@ -144,19 +154,11 @@ fn simd_matches_scalar() {
             .to_vec1()
             .unwrap();
         let acts = Acts::quantize(&xs, 512);
-        let data = q.data().unwrap();
-        let row_bytes = data.len() / 24;
-        let mut blocks = vec![Block::default(); 512 / QK];
-        for j in 0..24 {
-            unpack::unpack_row(
-                dtype,
-                &data[j * row_bytes..(j + 1) * row_bytes],
-                &mut blocks,
-            );
+        for (j, blocks) in unpacked_rows(&q).iter().enumerate() {
             let mut simd = [0f32];
-            isa().dot_rows(&blocks, unpack::has_min(dtype), &acts.rows(), &mut simd);
+            isa().dot_rows(blocks, unpack::has_min(dtype), &acts.rows(), &mut simd);
             let simd = simd[0];
-            let scalar = dot::dot_scalar(&blocks, acts.rows()[0]);
+            let scalar = dot::dot_scalar(blocks, acts.rows()[0]);
             assert!(
                 (simd - scalar).abs() <= 1e-5 * scalar.abs().max(1.0),
                 "{dtype:?} ({:?}) row {j}: {simd} vs {scalar}",
