@@ -190,13 +190,26 @@ pub(super) mod x86 {
     use super::{scale_min_k4, Block, GgmlDType, QK};
     use std::arch::x86_64::*;
 
+    /// Bytes of the weight stream requested ahead of the block being unpacked.
+    const PREFETCH: usize = 768;
+
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; the invariants of [`super::unpack_row`] hold.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(in super::super) unsafe fn unpack_row(dtype: GgmlDType, row: &[u8], out: &mut [Block]) {
         let per = super::block_elems(dtype) / QK;
         let bytes = row.len() / (out.len() / per);
-        for (src, dst) in row.chunks_exact(bytes).zip(out.chunks_exact_mut(per)) {
+        let base = row.as_ptr();
+        let mut fetched = 0;
+        for (i, (src, dst)) in row
+            .chunks_exact(bytes)
+            .zip(out.chunks_exact_mut(per))
+            .enumerate()
+        {
+            while fetched < (i + 1) * bytes + PREFETCH {
+                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(fetched) as *const i8);
+                fetched += 64;
+            }
             let p = src.as_ptr();
             match dtype {
                 GgmlDType::Q4_1 => {
