@@ -135,13 +135,13 @@ pub(super) fn dot_scalar(w: &[Block], a: ActRow<'_>) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use super::{ActRow, Block, QK};
     use std::arch::x86_64::*;
 
     /// Horizontal sum: `v[0..4] + v[4..8]`, then `[0]+[2], [1]+[3]`, then the two.
     #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(in super::super) unsafe fn hsum(v: __m256) -> f32 {
         let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let p = _mm_add_ps(h, _mm_movehl_ps(h, h));
         _mm_cvtss_f32(_mm_add_ss(p, _mm_shuffle_ps(p, p, 1)))

@@ -4,7 +4,8 @@
 //!
 //! Each weight row is unpacked once per call into a common 32-element form ([`unpack`]) and
 //! dotted with every activation row ([`dot`]); activations are quantized to 8 bits once per
-//! call (ggml's `Q8_1`, one scale per 32 values). A row's arithmetic never depends on how many
+//! call (ggml's `Q8_1`, one scale per 32 values). A decode step (one row) skips the buffer:
+//! [`fused`] unpacks each block in registers and dots it at once, with the same arithmetic. A row's arithmetic never depends on how many
 //! rows share the call, so decode (1 row) and verify (k rows) agree exactly:
 //!
 //! ```text
@@ -18,6 +19,8 @@
 //! sums and the sign trick of the AVX2 build come from there.
 
 mod dot;
+#[cfg(target_arch = "x86_64")]
+mod fused;
 mod unpack;
 
 use std::cell::RefCell;
@@ -207,6 +210,19 @@ pub fn matmul(w: &QTensor, xs: &Tensor) -> Result<Tensor> {
         .enumerate()
         .for_each(|(t, out)| {
             let j0 = t * ROWS_PER_TASK;
+            #[cfg(target_arch = "x86_64")]
+            if ops.isa != Isa::Scalar && m == 1 {
+                // A decode step: unpack in registers (bit-identical to the buffered path).
+                let rows = ops.acts.rows();
+                for (jj, y) in out.iter_mut().enumerate() {
+                    let j = j0 + jj;
+                    let w = &ops.weights[j * row_bytes..(j + 1) * row_bytes];
+                    // SAFETY: a non-scalar `isa` came from `Isa::detect`; the type and the row
+                    // length were checked above.
+                    *y = unsafe { fused::dot(ops.isa, dtype, w, rows[0]) };
+                }
+                return;
+            }
             #[cfg(target_arch = "x86_64")]
             if ops.isa != Isa::Scalar {
                 // SAFETY: every non-scalar `Isa` implies AVX2, FMA and F16C.

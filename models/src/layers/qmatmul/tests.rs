@@ -245,5 +245,17 @@ fn simd_builds_agree_exactly() {
             "{dtype:?} ({:?})",
             isa()
         );
+        // The decode kernels (unpacking in registers) give the same bits, in every build.
+        for (r, a) in acts.rows().into_iter().enumerate() {
+            for build in [isa(), Isa::Avx2] {
+                // SAFETY: `isa()` is a detected SIMD build, which implies AVX2.
+                let y = unsafe { fused::dot(build, dtype, &data[..data.len() / 24], a) };
+                assert_eq!(
+                    y.to_bits(),
+                    best[r].to_bits(),
+                    "{dtype:?} {build:?} row {r}"
+                );
+            }
+        }
     }
 }

@@ -127,7 +127,7 @@ fn q8_0(src: &[u8], b: &mut Block) {
 }
 
 /// ggml's `get_scale_min_k4`: the 6-bit scale and min of sub-block `j` of a Q4_K block.
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+pub(super) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
@@ -191,7 +191,7 @@ pub(super) mod x86 {
     use std::arch::x86_64::*;
 
     /// Bytes of the weight stream requested ahead of the block being unpacked.
-    const PREFETCH: usize = 768;
+    pub(in super::super) const PREFETCH: usize = 768;
 
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; the invariants of [`super::unpack_row`] hold.
