@@ -22,7 +22,7 @@ use candle_core::quantized::GgmlDType;
 
 use super::dot::x86::hsum;
 use super::dot::{ActRow, Isa};
-use super::unpack::x86::PREFETCH;
+use super::unpack::x86::{bytes_from_bits, f16, PREFETCH};
 use super::unpack::{scale_min_k4, QK};
 
 /// One unpacked block in registers: `w[i] = sc[i / 4] * q[i] + min`.
@@ -47,12 +47,6 @@ trait Kind {
 }
 
 #[inline(always)]
-unsafe fn f16(p: *const u8) -> f32 {
-    let bits = u16::from_le_bytes([*p, *p.add(1)]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-}
-
-#[inline(always)]
 unsafe fn reg(q: __m256i, lo: f32, hi: f32, min: f32) -> Reg {
     Reg {
         q,
@@ -69,20 +63,6 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
     let lo = _mm_and_si128(qs, m4);
     let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m4);
     _mm256_set_m128i(hi, lo)
-}
-
-/// Byte i is 0xFF where bit i of `x` is set, else 0 (ggml's `bytes_from_bits_32`).
-#[inline(always)]
-unsafe fn bytes_from_bits(x: u32) -> __m256i {
-    let spread = _mm256_set_epi64x(
-        0x0303_0303_0303_0303,
-        0x0202_0202_0202_0202,
-        0x0101_0101_0101_0101,
-        0,
-    );
-    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x as i32), spread);
-    let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe_u64 as i64);
-    _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi64x(-1))
 }
 
 /// `{f16 d, f16 m, u8 qs[16]}`, two blocks per unit.

@@ -252,7 +252,7 @@ pub(super) mod x86 {
 
     /// Byte i is 0xFF where bit i of `x` is set, else 0 (ggml's `bytes_from_bits_32`).
     #[inline(always)]
-    unsafe fn bytes_from_bits(x: u32) -> __m256i {
+    pub(in super::super) unsafe fn bytes_from_bits(x: u32) -> __m256i {
         let spread = _mm256_set_epi64x(
             0x0303_0303_0303_0303,
             0x0202_0202_0202_0202,
@@ -265,7 +265,7 @@ pub(super) mod x86 {
     }
 
     #[inline(always)]
-    unsafe fn f16(p: *const u8) -> f32 {
+    pub(in super::super) unsafe fn f16(p: *const u8) -> f32 {
         let bits = u16::from_le_bytes([*p, *p.add(1)]);
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
