@@ -183,76 +183,69 @@ fn q6k(src: &[u8], out: &mut [Block]) {
     }
 }
 
-/// The same unpacking with AVX2 intrinsics (bit-identical blocks; tested against the scalar
-/// build).
+/// The same unpacking with AVX2 intrinsics, one block at a time in registers ([`x86::Kind`]):
+/// the buffered multi-row path stores the blocks, the decode kernels in `fused` dot them
+/// directly. Bit-identical to the portable build (tested).
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
-    use super::{scale_min_k4, Block, GgmlDType, QK};
+    use super::{scale_min_k4, Block, GgmlDType};
     use std::arch::x86_64::*;
 
     /// Bytes of the weight stream requested ahead of the block being unpacked.
-    pub(in super::super) const PREFETCH: usize = 768;
+    const PREFETCH: usize = 768;
 
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; the invariants of [`super::unpack_row`] hold.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(in super::super) unsafe fn unpack_row(dtype: GgmlDType, row: &[u8], out: &mut [Block]) {
-        let per = super::block_elems(dtype) / QK;
-        let bytes = row.len() / (out.len() / per);
+        match dtype {
+            GgmlDType::Q4_1 => unpack_kind::<Q4_1>(row, out),
+            GgmlDType::Q5_0 => unpack_kind::<Q5_0>(row, out),
+            GgmlDType::Q8_0 => unpack_kind::<Q8_0>(row, out),
+            GgmlDType::Q4K => unpack_kind::<Q4K>(row, out),
+            _ => unpack_kind::<Q6K>(row, out),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn unpack_kind<K: Kind>(row: &[u8], out: &mut [Block]) {
+        for_each_block::<K>(row, out.len(), |b, _, w| store(&mut out[b], w));
+    }
+
+    /// Calls `f(b, b % 2, block b)` for the `n` 32-element blocks of a weight row of kind `K`,
+    /// in order, prefetching the weight stream [`PREFETCH`] bytes ahead. The parity is a
+    /// constant per unrolled position (`K::PER` is even), so callers can index by it freely.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C are available; `row` holds `n` blocks of kind `K`.
+    #[inline(always)]
+    pub(in super::super) unsafe fn for_each_block<K: Kind>(
+        row: &[u8],
+        n: usize,
+        mut f: impl FnMut(usize, usize, Reg),
+    ) {
         let base = row.as_ptr();
+        let units = n / K::PER;
         let mut fetched = 0;
-        for (i, (src, dst)) in row
-            .chunks_exact(bytes)
-            .zip(out.chunks_exact_mut(per))
-            .enumerate()
-        {
-            while fetched < (i + 1) * bytes + PREFETCH {
+        for u in 0..units {
+            while fetched < (u + 1) * K::BYTES + PREFETCH {
                 _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(fetched) as *const i8);
                 fetched += 64;
             }
-            let p = src.as_ptr();
-            match dtype {
-                GgmlDType::Q4_1 => {
-                    let qs = _mm_loadu_si128(p.add(4) as *const __m128i);
-                    let m4 = _mm_set1_epi8(0x0F);
-                    let lo = _mm_and_si128(qs, m4);
-                    let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m4);
-                    let d = f16(p);
-                    store(&mut dst[0], _mm256_set_m128i(hi, lo), d, d, f16(p.add(2)));
-                }
-                GgmlDType::Q5_0 => {
-                    let qs = _mm_loadu_si128(p.add(6) as *const __m128i);
-                    let m4 = _mm_set1_epi8(0x0F);
-                    let lo = _mm_and_si128(qs, m4);
-                    let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m4);
-                    // Element i takes bit i of qh as its 5th bit.
-                    let qh = u32::from_le_bytes([*p.add(2), *p.add(3), *p.add(4), *p.add(5)]);
-                    let fifth = _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10));
-                    let q = _mm256_or_si256(_mm256_set_m128i(hi, lo), fifth);
-                    let d = f16(p);
-                    store(
-                        &mut dst[0],
-                        _mm256_sub_epi8(q, _mm256_set1_epi8(16)),
-                        d,
-                        d,
-                        0.0,
-                    );
-                }
-                GgmlDType::Q8_0 => {
-                    let d = f16(p);
-                    let q = _mm256_loadu_si256(p.add(2) as *const __m256i);
-                    store(&mut dst[0], q, d, d, 0.0);
-                }
-                GgmlDType::Q4K => q4k(src, dst),
-                GgmlDType::Q6K => q6k(src, dst),
-                _ => super::unpack_row(dtype, src, dst),
+            let p = base.add(u * K::BYTES);
+            for j in 0..K::PER {
+                f(u * K::PER + j, j % 2, K::get(p, j));
             }
+        }
+        if units * K::PER != n {
+            // An odd count of 32-element blocks: the last one, at an even index.
+            f(n - 1, 0, K::get(base.add(units * K::BYTES), 0));
         }
     }
 
     /// Byte i is 0xFF where bit i of `x` is set, else 0 (ggml's `bytes_from_bits_32`).
     #[inline(always)]
-    pub(in super::super) unsafe fn bytes_from_bits(x: u32) -> __m256i {
+    unsafe fn bytes_from_bits(x: u32) -> __m256i {
         let spread = _mm256_set_epi64x(
             0x0303_0303_0303_0303,
             0x0202_0202_0202_0202,
@@ -265,78 +258,168 @@ pub(super) mod x86 {
     }
 
     #[inline(always)]
-    pub(in super::super) unsafe fn f16(p: *const u8) -> f32 {
+    unsafe fn f16(p: *const u8) -> f32 {
         let bits = u16::from_le_bytes([*p, *p.add(1)]);
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 
-    /// Writes `q` and the derived fields of [`Block`].
+    /// Writes a block in registers, with the derived fields of [`Block`].
     #[inline(always)]
-    unsafe fn store(b: &mut Block, q: __m256i, lo: f32, hi: f32, min: f32) {
-        _mm256_store_si256(b.q.as_mut_ptr() as *mut __m256i, q);
-        let pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), q);
+    unsafe fn store(b: &mut Block, w: Reg) {
+        _mm256_store_si256(b.q.as_mut_ptr() as *mut __m256i, w.q);
+        let pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), w.q);
         let corr = _mm256_madd_epi16(pairs, _mm256_set1_epi16(-128));
         _mm256_store_si256(b.neg_corr.as_mut_ptr() as *mut __m256i, corr);
-        let scale = _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));
-        _mm256_store_ps(b.scale.as_mut_ptr(), scale);
-        b.min = min;
+        _mm256_store_ps(b.scale.as_mut_ptr(), w.sc);
+        b.min = w.min;
+    }
+
+    /// One unpacked block in registers: `w[i] = sc[i / 4] * q[i] + min`.
+    #[derive(Clone, Copy)]
+    pub(in super::super) struct Reg {
+        pub q: __m256i,
+        pub sc: __m256,
+        pub min: f32,
+    }
+
+    /// A GGUF block type, read in units of `PER` 32-element blocks (`BYTES` bytes).
+    pub(in super::super) trait Kind {
+        const PER: usize;
+        const BYTES: usize;
+        /// Whether blocks carry a non-zero `min`.
+        const MIN: bool;
+        /// Block `j` (`< PER`) of the unit at `p`.
+        ///
+        /// # Safety
+        /// AVX2, FMA and F16C are available; `p..p + BYTES` is readable.
+        unsafe fn get(p: *const u8, j: usize) -> Reg;
     }
 
     #[inline(always)]
-    unsafe fn q4k(src: &[u8], out: &mut [Block]) {
-        let p = src.as_ptr();
-        let (d, dmin) = (f16(p), f16(p.add(2)));
-        let scales = &src[4..16];
-        let m4 = _mm256_set1_epi8(0x0F);
-        for i in 0..4 {
-            let x = _mm256_loadu_si256(p.add(16 + 32 * i) as *const __m256i);
-            let (sc, m) = scale_min_k4(2 * i, scales);
-            let s = d * sc as f32;
-            store(
-                &mut out[2 * i],
-                _mm256_and_si256(x, m4),
-                s,
-                s,
-                -dmin * m as f32,
-            );
-            let (sc, m) = scale_min_k4(2 * i + 1, scales);
-            let s = d * sc as f32;
-            let hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
-            store(&mut out[2 * i + 1], hi, s, s, -dmin * m as f32);
+    unsafe fn reg(q: __m256i, lo: f32, hi: f32, min: f32) -> Reg {
+        Reg {
+            q,
+            sc: _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)),
+            min,
         }
     }
 
+    /// Low nibbles of 16 bytes in lanes 0..16, high nibbles in lanes 16..32.
     #[inline(always)]
-    unsafe fn q6k(src: &[u8], out: &mut [Block]) {
-        let p = src.as_ptr();
-        let d = f16(p.add(208));
-        let m4 = _mm256_set1_epi8(0x0F);
-        let m2 = _mm256_set1_epi8(0x30);
-        let bias = _mm256_set1_epi8(32);
-        for half in 0..2 {
-            let ql0 = _mm256_loadu_si256(p.add(64 * half) as *const __m256i);
-            let ql1 = _mm256_loadu_si256(p.add(64 * half + 32) as *const __m256i);
+    unsafe fn nibbles(p: *const u8) -> __m256i {
+        let qs = _mm_loadu_si128(p as *const __m128i);
+        let m4 = _mm_set1_epi8(0x0F);
+        let lo = _mm_and_si128(qs, m4);
+        let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m4);
+        _mm256_set_m128i(hi, lo)
+    }
+
+    /// `{f16 d, f16 m, u8 qs[16]}`, two blocks per unit.
+    pub(in super::super) struct Q4_1;
+    impl Kind for Q4_1 {
+        const PER: usize = 2;
+        const BYTES: usize = 2 * 20;
+        const MIN: bool = true;
+        #[inline(always)]
+        unsafe fn get(p: *const u8, j: usize) -> Reg {
+            let p = p.add(20 * j);
+            let d = f16(p);
+            reg(nibbles(p.add(4)), d, d, f16(p.add(2)))
+        }
+    }
+
+    /// `{f16 d, u8 qh[4], u8 qs[16]}`: element i takes bit i of qh as its 5th bit, centred by -16.
+    pub(in super::super) struct Q5_0;
+    impl Kind for Q5_0 {
+        const PER: usize = 2;
+        const BYTES: usize = 2 * 22;
+        const MIN: bool = false;
+        #[inline(always)]
+        unsafe fn get(p: *const u8, j: usize) -> Reg {
+            let p = p.add(22 * j);
+            let qh = u32::from_le_bytes([*p.add(2), *p.add(3), *p.add(4), *p.add(5)]);
+            let fifth = _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10));
+            let q = _mm256_or_si256(nibbles(p.add(6)), fifth);
+            let d = f16(p);
+            reg(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), d, d, 0.0)
+        }
+    }
+
+    /// `{f16 d, i8 qs[32]}`.
+    pub(in super::super) struct Q8_0;
+    impl Kind for Q8_0 {
+        const PER: usize = 2;
+        const BYTES: usize = 2 * 34;
+        const MIN: bool = false;
+        #[inline(always)]
+        unsafe fn get(p: *const u8, j: usize) -> Reg {
+            let p = p.add(34 * j);
+            let d = f16(p);
+            reg(_mm256_loadu_si256(p.add(2) as *const __m256i), d, d, 0.0)
+        }
+    }
+
+    /// `{f16 d, f16 dmin, u8 scales[12], u8 qs[128]}`: block `j` is the low (`j` even) or high
+    /// nibbles of `qs[32 (j / 2)..][..32]`.
+    pub(in super::super) struct Q4K;
+    impl Kind for Q4K {
+        const PER: usize = 8;
+        const BYTES: usize = 144;
+        const MIN: bool = true;
+        #[inline(always)]
+        unsafe fn get(p: *const u8, j: usize) -> Reg {
+            let (d, dmin) = (f16(p), f16(p.add(2)));
+            let x = _mm256_loadu_si256(p.add(16 + 32 * (j / 2)) as *const __m256i);
+            // Even blocks take the low nibbles, odd ones the high.
+            let x = if j & 1 == 0 {
+                x
+            } else {
+                _mm256_srli_epi16(x, 4)
+            };
+            let scales = std::slice::from_raw_parts(p.add(4), 12);
+            let (sc, m) = scale_min_k4(j, scales);
+            let s = d * sc as f32;
+            reg(
+                _mm256_and_si256(x, _mm256_set1_epi8(0x0F)),
+                s,
+                s,
+                -dmin * m as f32,
+            )
+        }
+    }
+
+    /// `{u8 ql[128], u8 qh[64], i8 scales[16], f16 d}`: block `4 half + t` takes nibble `t / 2` of
+    /// `ql[64 half + 32 (t % 2)..]` and bits `2t..2t+2` of `qh[32 half..]`, centred by -32.
+    pub(in super::super) struct Q6K;
+    impl Kind for Q6K {
+        const PER: usize = 8;
+        const BYTES: usize = 210;
+        const MIN: bool = false;
+        #[inline(always)]
+        unsafe fn get(p: *const u8, j: usize) -> Reg {
+            let (half, t) = (j / 4, j % 4);
+            let d = f16(p.add(208));
+            let m4 = _mm256_set1_epi8(0x0F);
+            let m2 = _mm256_set1_epi8(0x30);
+            let ql = _mm256_loadu_si256(p.add(64 * half + 32 * (t % 2)) as *const __m256i);
+            let low = if t < 2 {
+                _mm256_and_si256(ql, m4)
+            } else {
+                _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4)
+            };
             let qh = _mm256_loadu_si256(p.add(128 + 32 * half) as *const __m256i);
             // Bits 2t..2t+2 of qh moved to bits 4..6 (16-bit shifts; the mask drops spill-over).
-            let high = [
-                _mm256_and_si256(_mm256_slli_epi16(qh, 4), m2),
-                _mm256_and_si256(_mm256_slli_epi16(qh, 2), m2),
-                _mm256_and_si256(qh, m2),
-                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
-            ];
-            let low = [
-                _mm256_and_si256(ql0, m4),
-                _mm256_and_si256(ql1, m4),
-                _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-            ];
-            let sc = &src[192 + 8 * half..192 + 8 * half + 8];
-            for t in 0..4 {
-                let q = _mm256_sub_epi8(_mm256_or_si256(low[t], high[t]), bias);
-                let lo = d * (sc[2 * t] as i8) as f32;
-                let hi = d * (sc[2 * t + 1] as i8) as f32;
-                store(&mut out[4 * half + t], q, lo, hi, 0.0);
-            }
+            let high = match t {
+                0 => _mm256_slli_epi16(qh, 4),
+                1 => _mm256_slli_epi16(qh, 2),
+                2 => qh,
+                _ => _mm256_srli_epi16(qh, 2),
+            };
+            let q = _mm256_or_si256(low, _mm256_and_si256(high, m2));
+            let sc = p.add(192 + 8 * half + 2 * t) as *const i8;
+            let lo = d * (*sc) as f32;
+            let hi = d * (*sc.add(1)) as f32;
+            reg(_mm256_sub_epi8(q, _mm256_set1_epi8(32)), lo, hi, 0.0)
         }
     }
 }
