@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use specula_models::sampling::SamplingParams;
 use specula_protocol::wire::TargetInfo;
 use specula_tests::bin_path;
+use specula_tests::proposers::draft;
 use target_host::drafter::{ClientConfig, DrafterClient, DrafterError, DrafterSpec, DrafterState};
 use target_host::proposer::{Proposer, TapRows, Verdict};
 
@@ -84,15 +85,22 @@ fn ngram_drafts_the_continuation_across_the_process_boundary() {
     assert_eq!(c.state(), DrafterState::Ready);
     // "10 11 12 13 14 … 10 11": the suffix "10 11" was followed by "12 13 14".
     c.open(7, &[10, 11, 12, 13, 14, 99, 10, 11], &greedy(), None);
-    assert_eq!(c.draft(7, &[], 3).tokens, vec![12, 13, 14]);
+    assert_eq!(draft(&mut c, 7, 3).tokens, vec![12, 13, 14]);
     // The target accepted 12 and then produced 50: "11 12 50" has no match, "12 50" neither.
-    c.verdict(7, &verdict(3, 1, &[12, 50]));
-    assert!(c.draft(7, &[], 3).tokens.is_empty());
-    // Tokens decoded without the drafter reach it through `new_tokens`: "… 10 11" again, whose
+    c.commit(7, &verdict(3, 1, &[12, 50]));
+    assert!(draft(&mut c, 7, 3).tokens.is_empty());
+    // Tokens committed without drafts reach it (as `new_tokens` of a 1.0 peer): "… 10 11" again, whose
     // latest occurrence (after 99) was followed by the committed "12 50".
-    assert_eq!(c.draft(7, &[10, 11], 2).tokens, vec![12, 50]);
+    assert_eq!(
+        {
+            c.advance(7, &[10, 11], None);
+            draft(&mut c, 7, 2)
+        }
+        .tokens,
+        vec![12, 50]
+    );
     c.close(7);
-    assert!(c.draft(7, &[], 3).tokens.is_empty(), "closed session");
+    assert!(draft(&mut c, 7, 3).tokens.is_empty(), "closed session");
     let stats = c.stats();
     assert_eq!((stats.requests, stats.drafted, stats.accepted), (3, 5, 1));
     assert_eq!(stats.rtt_us.len(), 3);
@@ -104,10 +112,10 @@ fn example_drafter_written_against_the_sdk_serves() {
     let mut c = start("echo-drafter", &[], config()).unwrap();
     assert_eq!(c.name(), "echo");
     c.open(1, &[3, 4, 5], &greedy(), None);
-    assert_eq!(c.draft(1, &[], 2).tokens, vec![5, 5]);
-    c.verdict(1, &verdict(2, 0, &[9]));
+    assert_eq!(draft(&mut c, 1, 2).tokens, vec![5, 5]);
+    c.commit(1, &verdict(2, 0, &[9]));
     // The SDK caps the draft at the drafter's max_draft_len (4), whatever the host asks.
-    assert_eq!(c.draft(1, &[], 10).tokens, vec![9; 4]);
+    assert_eq!(draft(&mut c, 1, 10).tokens, vec![9; 4]);
 }
 
 #[test]
@@ -183,18 +191,25 @@ fn sigkilled_drafter_is_respawned_and_sessions_reopened() {
     let config = config();
     let mut c = start("ngram", &[], config).unwrap();
     c.open(1, &[20, 21, 22, 23, 24, 20, 21], &greedy(), None);
-    assert_eq!(c.draft(1, &[], 2).tokens, vec![22, 23]);
-    c.verdict(1, &verdict(2, 2, &[22, 23, 24]));
+    assert_eq!(draft(&mut c, 1, 2).tokens, vec![22, 23]);
+    c.commit(1, &verdict(2, 2, &[22, 23, 24]));
     let pid = c.pid().unwrap();
     kill9(pid);
     // The request goes on without drafts while the drafter is down.
-    assert!(c.draft(1, &[], 2).tokens.is_empty());
+    assert!(draft(&mut c, 1, 2).tokens.is_empty());
     assert_ne!(c.state(), DrafterState::Ready);
     wait_ready(&mut c);
     assert_ne!(c.pid(), Some(pid));
     assert_eq!(c.stats().restarts, 1);
     // The new process got the whole context: "… 22 23 24" + "20 21" → "22 23".
-    assert_eq!(c.draft(1, &[20, 21], 2).tokens, vec![22, 23]);
+    assert_eq!(
+        {
+            c.advance(1, &[20, 21], None);
+            draft(&mut c, 1, 2)
+        }
+        .tokens,
+        vec![22, 23]
+    );
 }
 
 #[test]
@@ -206,7 +221,7 @@ fn deadline_miss_gives_an_empty_draft_and_the_late_reply_is_dropped() {
     let mut c = chaos("sleep-past-deadline", &["--sleep-ms", "1000"], config).unwrap();
     c.open(1, &[1, 2, 3], &greedy(), None);
     let t0 = Instant::now();
-    assert!(c.draft(1, &[], 4).tokens.is_empty());
+    assert!(draft(&mut c, 1, 4).tokens.is_empty());
     assert!(
         t0.elapsed() < Duration::from_millis(800),
         "waited {:?}",
@@ -214,7 +229,7 @@ fn deadline_miss_gives_an_empty_draft_and_the_late_reply_is_dropped() {
     );
     std::thread::sleep(Duration::from_millis(1100));
     // The first reply arrives now, with the old sequence number: dropped, not used as this one.
-    assert!(c.draft(1, &[], 4).tokens.is_empty());
+    assert!(draft(&mut c, 1, 4).tokens.is_empty());
     let stats = c.stats();
     assert_eq!((stats.deadline_misses, stats.late_replies), (2, 1));
     assert_eq!(stats.drafted, 0);
@@ -235,7 +250,10 @@ fn invalid_replies_are_discarded_and_a_repeat_offender_restarted() {
         let mut c = chaos(mode, &[], config).unwrap();
         c.open(1, &[1, 2, 3], &greedy(), None);
         for round in 0..3 {
-            assert!(c.draft(1, &[], 4).tokens.is_empty(), "{mode} round {round}");
+            assert!(
+                draft(&mut c, 1, 4).tokens.is_empty(),
+                "{mode} round {round}"
+            );
         }
         assert_eq!(c.stats().discarded, 3, "{mode}");
         assert_eq!(
@@ -253,7 +271,7 @@ fn random_valid_ids_pass_validation() {
     let mut c = chaos("random-ids", &[], config()).unwrap();
     c.open(1, &[1], &greedy(), None);
     for _ in 0..20 {
-        let d = c.draft(1, &[], 5);
+        let d = draft(&mut c, 1, 5);
         assert_eq!(d.tokens.len(), 5);
         assert!(d.tokens.iter().all(|&id| id < VOCAB));
     }
@@ -264,14 +282,14 @@ fn random_valid_ids_pass_validation() {
 fn drafter_exiting_mid_request_is_respawned() {
     let mut c = chaos("exit-mid-request", &["--after", "1"], config()).unwrap();
     c.open(1, &[1, 2], &greedy(), None);
-    assert_eq!(c.draft(1, &[], 3).tokens.len(), 3);
+    assert_eq!(draft(&mut c, 1, 3).tokens.len(), 3);
     assert!(
-        c.draft(1, &[], 3).tokens.is_empty(),
+        draft(&mut c, 1, 3).tokens.is_empty(),
         "it exits during this request"
     );
     assert_eq!(c.state(), DrafterState::Backoff);
     wait_ready(&mut c);
-    assert_eq!(c.draft(1, &[], 3).tokens.len(), 3);
+    assert_eq!(draft(&mut c, 1, 3).tokens.len(), 3);
 }
 
 /// FNV-1a over the f32 bits, in the order the chaos drafter reads them.
@@ -317,18 +335,18 @@ fn taps_reach_the_drafter_bit_for_bit_through_shared_memory() {
     let mut expect = vec![format!("open 3 5 {}", checksum(&prompt))];
     for round in 0..20 {
         let taps = tap_rows(6 + round, 3, round as f32);
-        c.draft(3, &[], 2);
+        draft(&mut c, 3, 2);
         let v = Verdict {
             drafted: 2,
             accepted: 2,
             committed: &[7, 8, 9],
             taps: Some(&taps),
         };
-        c.verdict(3, &v);
+        c.commit(3, &v);
         expect.push(format!("commit 3 3 {}", checksum(&taps)));
     }
     // A draft round trip orders every earlier message before it: the log is complete.
-    c.draft(3, &[], 1);
+    draft(&mut c, 3, 1);
     let got = std::fs::read_to_string(&out).unwrap();
     assert_eq!(got.lines().collect::<Vec<_>>(), expect);
 }
@@ -432,7 +450,7 @@ fn in_process_ngram_drafts_exactly_what_its_process_drafts() {
     local.open(1, &prompt, &greedy(), None);
     let mut drafted = 0;
     for round in 0..100u32 {
-        let (a, b) = (process.draft(1, &[], 8), local.draft(1, &[], 8));
+        let (a, b) = (draft(&mut process, 1, 8), draft(&mut local, 1, 8));
         assert_eq!(a, b, "round {round}");
         drafted += a.tokens.len();
         // Accept the first draft when there is one, then a "target" token.
@@ -444,8 +462,8 @@ fn in_process_ngram_drafts_exactly_what_its_process_drafts() {
             .chain([round % 23])
             .collect();
         let v = verdict(a.tokens.len(), committed.len() - 1, &committed);
-        process.verdict(1, &v);
-        local.verdict(1, &v);
+        process.commit(1, &v);
+        local.commit(1, &v);
     }
     assert!(
         drafted > 100,

@@ -4,7 +4,8 @@
 use specula_models::sampling::SamplingParams;
 use specula_tests::proposers::{BadProposer, ScriptProposer};
 use specula_tests::tiny::tiny_loaded;
-use target_host::generation::{generate, Flow, Generation, GenerationRequest, Speculation, Target};
+use target_host::engine::EngineConfig;
+use target_host::generation::{generate, Flow, Generation, GenerationRequest, Speculation};
 use target_host::proposer::{Proposer, ProposerSlot};
 
 fn run(
@@ -12,13 +13,16 @@ fn run(
     proposer: Option<Box<dyn Proposer>>,
     req: &GenerationRequest,
 ) -> Generation {
-    let target = Target {
-        model: &loaded.model,
-        tokenizer: &loaded.tokenizer,
-    };
     let slot = ProposerSlot::new(proposer);
-    let mut cache = loaded.model.new_cache();
-    generate(&target, &mut cache, &slot, req, &mut |_| Flow::Continue).expect("generate")
+    generate(
+        &loaded.model,
+        &loaded.tokenizer,
+        &slot,
+        &EngineConfig::default(),
+        req,
+        &mut |_| Flow::Continue,
+    )
+    .expect("generate")
 }
 
 fn request(

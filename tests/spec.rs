@@ -8,7 +8,8 @@ use specula_models::sampling::SamplingParams;
 use specula_models::{ForwardRequest, LoadOptions, WeightDType};
 use specula_tests::{cli_generate, model_path};
 use target_host::drafter::InProcess;
-use target_host::generation::{generate, Flow, Generation, GenerationRequest, Speculation, Target};
+use target_host::engine::EngineConfig;
+use target_host::generation::{generate, Flow, Generation, GenerationRequest, Speculation};
 use target_host::proposer::{Proposer, ProposerSlot};
 
 /// Logit gap below which two candidates are a tie that float summation order may flip.
@@ -40,10 +41,6 @@ fn lib_generate(
     prompt_ids: &[u32],
     proposer: Option<Box<dyn Proposer>>,
 ) -> Generation {
-    let target = Target {
-        model: &loaded.model,
-        tokenizer: &loaded.tokenizer,
-    };
     let speculation = match proposer {
         Some(_) => Speculation::On {
             num_draft_tokens: 4,
@@ -60,8 +57,15 @@ fn lib_generate(
         speculation,
         logprobs: None,
     };
-    let mut cache = loaded.model.new_cache();
-    generate(&target, &mut cache, &slot, &req, &mut |_| Flow::Continue).expect("generate")
+    generate(
+        &loaded.model,
+        &loaded.tokenizer,
+        &slot,
+        &EngineConfig::default(),
+        &req,
+        &mut |_| Flow::Continue,
+    )
+    .expect("generate")
 }
 
 /// Gap between the target's two best logits after `context` (prompt + generated prefix).

@@ -17,7 +17,8 @@ use specula_models::sampling::SamplingParams;
 use specula_models::tokenizer::Special;
 use target_host::drafter::{ClientConfig, DrafterClient, DrafterSpec, InProcess};
 use target_host::drafter_args::target_info;
-use target_host::generation::{generate, Flow, GenerationRequest, Speculation, Target};
+use target_host::engine::EngineConfig;
+use target_host::generation::{generate, Flow, GenerationRequest, Speculation};
 use target_host::models::{load_model, ModelArgs};
 use target_host::proposer::{Proposer, ProposerSlot, Shared};
 
@@ -95,11 +96,6 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         };
         send(&mut out, &reply)?;
     }
-    let target = Target {
-        model: &loaded.model,
-        tokenizer: &loaded.tokenizer,
-    };
-    let mut cache = loaded.model.new_cache();
     for (session, line) in std::io::stdin().lock().lines().enumerate() {
         let req: Request = serde_json::from_str(&line?).context("bad request from the harness")?;
         let found = (
@@ -123,7 +119,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
                     speculation: speculation(&s.config),
                     logprobs: None,
                 };
-                match run_item(&target, &mut cache, &s.slot, &gen) {
+                match run_item(&loaded, &s.slot, &gen) {
                     Ok(s) => Reply::Sample(s),
                     Err(e) => Reply::Error(format!("{e:#}")),
                 }
@@ -255,20 +251,23 @@ fn arg(path: &Path) -> String {
 }
 
 /// One generation, timed: the clock for time to first token starts before prefill.
-fn run_item(
-    target: &Target<'_>,
-    cache: &mut specula_models::KvCache,
-    slot: &ProposerSlot,
-    req: &GenerationRequest,
-) -> Result<Sample> {
+fn run_item(loaded: &LoadedModel, slot: &ProposerSlot, req: &GenerationRequest) -> Result<Sample> {
     let start = Instant::now();
     let mut first: Option<Duration> = None;
-    let gen = generate(target, cache, slot, req, &mut |_| {
-        first.get_or_insert_with(|| start.elapsed());
-        Flow::Continue
-    })?;
+    let config = EngineConfig::default();
+    let gen = generate(
+        &loaded.model,
+        &loaded.tokenizer,
+        slot,
+        &config,
+        req,
+        &mut |_| {
+            first.get_or_insert_with(|| start.elapsed());
+            Flow::Continue
+        },
+    )?;
     let s = &gen.stats;
-    let speculating = matches!(req.speculation, Speculation::On { .. });
+    let speculating = !matches!(req.speculation, Speculation::Off);
     Ok(Sample {
         prompt_tokens: s.prompt_tokens,
         tokens: s.generated_tokens,

@@ -25,8 +25,9 @@ use specula_models::sampling::SamplingParams;
 use specula_models::{random, ForwardRequest, Model, WeightDType};
 
 use crate::drafter_args::DrafterArgs;
+use crate::engine::EngineConfig;
 use crate::generation::{
-    generate, Flow, Generation, GenerationRequest, GenerationStats, Speculation, Target,
+    generate, Flow, Generation, GenerationRequest, GenerationStats, Speculation,
 };
 use crate::models::{load_model, LoadFormat, ModelArgs};
 use crate::proposer::ProposerSlot;
@@ -246,12 +247,14 @@ fn run_generation(
     slot: &ProposerSlot,
     req: &GenerationRequest,
 ) -> Result<Generation> {
-    let target = Target {
-        model: &loaded.model,
-        tokenizer: &loaded.tokenizer,
-    };
-    let mut cache = loaded.model.new_cache();
-    generate(&target, &mut cache, slot, req, &mut |_| Flow::Continue)
+    generate(
+        &loaded.model,
+        &loaded.tokenizer,
+        slot,
+        &EngineConfig::default(),
+        req,
+        &mut |_| Flow::Continue,
+    )
 }
 
 fn decode(

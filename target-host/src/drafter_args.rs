@@ -26,11 +26,15 @@ pub struct DrafterArgs {
     /// An argument passed to the drafter (repeatable; use `--drafter-arg=--flag` for flags).
     #[arg(long = "drafter-arg", allow_hyphen_values = true)]
     pub drafter_args: Vec<String>,
-    /// Drafts per round (k).
+    /// Most drafts per round (k); exactly k with `--fixed-draft`.
     #[arg(long, default_value_t = DEFAULT_NUM_DRAFT_TOKENS)]
     pub num_draft_tokens: usize,
-    /// Let the host choose each round's k in `1..=--num-draft-tokens` from the observed
-    /// acceptance and draft cost (see `target_host::adaptive`); off: always k.
+    /// Always draft `--num-draft-tokens` per round instead of letting the speculation
+    /// controller choose each sequence's k in `0..=--num-draft-tokens` from the measured verify
+    /// cost, draft latency and acceptance (`target_host::engine::controller`, the default).
+    #[arg(long, conflicts_with = "adaptive_draft")]
+    pub fixed_draft: bool,
+    /// The controller chooses k (the default; kept so existing scripts keep working).
     #[arg(long)]
     pub adaptive_draft: bool,
     /// Decode without speculation even when a drafter is given.
@@ -42,14 +46,15 @@ pub struct DrafterArgs {
 }
 
 impl DrafterArgs {
-    /// The speculation these options ask for when a drafter runs: fixed or adaptive k.
+    /// The speculation these options ask for when a drafter runs: controller-chosen (default)
+    /// or fixed k.
     pub fn speculation(&self) -> Speculation {
         let k = self.num_draft_tokens.max(1);
-        match self.adaptive_draft {
-            true => Speculation::Adaptive {
+        match self.fixed_draft {
+            false => Speculation::Adaptive {
                 max_draft_tokens: k,
             },
-            false => Speculation::On {
+            true => Speculation::On {
                 num_draft_tokens: k,
             },
         }

@@ -1,20 +1,18 @@
 //! Specula's target host: owns the target model, its KV cache, the speculative verify loop and
 //! the OpenAI-compatible HTTP API. Drafters live in other processes and are reached through
-//! [`drafter`]; the verify loop only ever sees them as a [`proposer::Proposer`].
+//! [`drafter`]; the engine only ever sees them as a [`proposer::Proposer`].
 //!
 //! | module | job |
 //! |---|---|
 //! | [`models`] | resolve `--model` (path, fetchable name, or random weights) and load it |
 //! | [`bench`] | `target-host bench`: bandwidth, decode, verify-window curve, loop overhead |
-//! | [`generation`] | one request: prefill, draft → verify → commit rounds |
-//! | [`adaptive`] | adaptive draft length: each round's k from the observed acceptance |
+//! | [`generation`] | a request and its result; [`generation::generate`]: a batch of one |
 //! | [`verify`] | greedy acceptance and lossless rejection sampling |
-//! | [`engine`] | the worker thread and request queue behind the server |
+//! | [`engine`] | continuous batching: scheduler, step, verify, speculation controller |
 //! | [`drafter`] | drafter processes: spawn, handshake, supervision; in-process drafters |
 //! | [`drafter_args`] | the `--drafter` command-line options |
 //! | [`http`] | the OpenAI-compatible server and the admin API |
 
-pub mod adaptive;
 pub mod bench;
 pub mod drafter;
 pub mod drafter_args;

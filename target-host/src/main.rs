@@ -7,7 +7,8 @@ use clap::{Args, Parser, Subcommand};
 use specula_models::chat::{ChatMessage, GenerationPrompt};
 use specula_models::sampling::SamplingParams;
 use specula_models::tokenizer::Special;
-use target_host::generation::{generate, Flow, GenerationRequest, Speculation, Target};
+use target_host::engine::EngineConfig;
+use target_host::generation::{generate, Flow, GenerationRequest, Speculation};
 use target_host::models::{load_model, ModelArgs};
 use target_host::proposer::ProposerSlot;
 
@@ -74,6 +75,8 @@ struct GenerateArgs {
     seed: Option<u64>,
     #[command(flatten)]
     drafter: target_host::drafter_args::DrafterArgs,
+    #[command(flatten)]
+    engine: EngineConfig,
     /// Print one JSON object with the text, ids and stats instead of streaming text.
     #[arg(long)]
     json: bool,
@@ -155,11 +158,11 @@ fn generate_cmd(args: GenerateArgs) -> Result<()> {
         speculation,
         logprobs: None,
     };
-    let target = Target {
-        model: &loaded.model,
-        tokenizer: &loaded.tokenizer,
+    let config = EngineConfig {
+        draft_deadline_cap: args.drafter.client_config().draft_deadline,
+        ..args.engine.clone()
     };
-    let mut cache = loaded.model.new_cache();
+    config.validate()?;
     let stdout = std::io::stdout();
     let json = args.json;
     let mut shown = 0;
@@ -178,7 +181,14 @@ fn generate_cmd(args: GenerateArgs) -> Result<()> {
         }
         Flow::Continue
     };
-    let gen = generate(&target, &mut cache, &slot, &req, &mut sink)?;
+    let gen = generate(
+        &loaded.model,
+        &loaded.tokenizer,
+        &slot,
+        &config,
+        &req,
+        &mut sink,
+    )?;
     if !json {
         print!("{}", &gen.text[shown.min(gen.text.len())..]);
     }

@@ -1,18 +1,37 @@
-//! The one interface between the verify loop and wherever drafts come from.
+//! The one interface between the engine and wherever drafts come from.
 //!
-//! The verify loop owns the truth (target model, KV cache, sampler); a [`Proposer`] only ever
-//! suggests tokens. Whatever a proposer returns is checked by the loop, so a proposer can change
-//! speed, never output.
+//! The engine owns the truth (target model, KV cache, sampler); a [`Proposer`] only ever
+//! suggests tokens. Whatever a proposer returns is checked by the engine, so a proposer can
+//! change speed, never output.
+//!
+//! Drafting is batched: every engine step makes at most one [`Proposer::draft`] call with one
+//! [`DraftAsk`] per running sequence that speculates, so an out-of-process drafter gets one
+//! `Draft` message with a row per session and can run one forward for all of them.
+//!
+//! # What a proposer is told (the engine is the one owner of this)
+//! For one session the calls come in the order `open, (draft?, commit | advance)*, close`:
+//! - [`Proposer::open`]: the context so far, its last id pending, with the taps of every
+//!   position before the pending one when [`Proposer::wants`] asks for taps;
+//! - [`Proposer::commit`]: after a step that verified drafts: the accepted drafts and the
+//!   target's own token, with the taps of rows `[pending, d1..d_accepted]`;
+//! - [`Proposer::advance`]: after a step that committed a token *without* drafts (k = 0, a
+//!   missed deadline, an empty draft): that id and the taps of the row that produced it.
+//!
+//! So every committed position's taps reach the proposer exactly once, in order. After a hot
+//! swap the engine opens every session again on the new proposer with the whole context (and
+//! its taps, when it kept them), and re-reads [`Proposer::wants`].
+
+use std::time::Duration;
 
 use specula_models::sampling::SamplingParams;
 
-/// Identifies one request (a session) across the loop and its proposer.
-pub type SessionId = u64;
+/// Identifies one request (a session) across the engine and its proposer.
+pub type SessionId = specula_protocol::wire::SessionId;
 
 /// Which target activations a proposer wants to see after every verify forward.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Wants {
-    /// Hidden-state taps: layer ids (output of layer `l`); `None` entries are not used.
+    /// Hidden-state taps: output of layer `l`, for each listed `l`.
     pub tap_layers: Vec<usize>,
     /// Whether the post-final-norm hidden is wanted as its own tap.
     pub final_hidden: bool,
@@ -27,7 +46,36 @@ impl Wants {
     }
 }
 
-/// Drafts proposed for one round, already validated against the vocabulary and `n`.
+impl From<&specula_protocol::wire::Capabilities> for Wants {
+    fn from(caps: &specula_protocol::wire::Capabilities) -> Self {
+        Wants {
+            tap_layers: caps.tap_layers.iter().map(|&l| l as usize).collect(),
+            final_hidden: caps.final_hidden,
+            kv_layers: caps.kv_layers.iter().map(|&l| l as usize).collect(),
+        }
+    }
+}
+
+/// One session's row of a batched draft request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DraftAsk {
+    /// The session.
+    pub session: SessionId,
+    /// The most drafts wanted (at least 1).
+    pub n: usize,
+}
+
+/// A batched draft request: one ask per session, and how long the engine waits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftBatch<'a> {
+    /// One row per session, sessions distinct.
+    pub asks: &'a [DraftAsk],
+    /// How long the engine is willing to wait for the whole batch; a proposer that cannot
+    /// answer in time returns empty drafts (the engine then decodes those rows without).
+    pub deadline: Duration,
+}
+
+/// Drafts proposed for one session, already validated against the vocabulary and `n`.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Draft {
     /// Proposed token ids, at most the `n` asked for.
@@ -35,9 +83,12 @@ pub struct Draft {
     /// The proposer's probability rows for each drafted token (`q`), when it sampled them.
     /// `None` means the drafts were chosen deterministically (`q` is one-hot).
     pub q: Option<Vec<Vec<f32>>>,
+    /// The proposer's estimate, per drafted token, of the probability that the target accepts
+    /// it (0..1), when it sends one; the speculation controller uses it.
+    pub confidence: Option<Vec<f32>>,
 }
 
-/// What the verify loop learned in one round, handed back to the proposer.
+/// What the engine learned in one round with drafts, handed back to the proposer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Verdict<'a> {
     /// How many drafts were offered for verification.
@@ -46,7 +97,7 @@ pub struct Verdict<'a> {
     pub accepted: usize,
     /// The ids committed this round: the accepted drafts plus the target's own next token.
     pub committed: &'a [u32],
-    /// Target activations of the verified window rows `[pending, d1..d_accepted]`, when asked for.
+    /// Target activations of the verified rows `[pending, d1..d_accepted]`, when asked for.
     pub taps: Option<&'a TapRows>,
 }
 
@@ -66,52 +117,145 @@ pub struct TapRows {
     pub kv: Vec<(Vec<f32>, Vec<f32>)>,
 }
 
-/// Where drafts come from, as the verify loop sees it. Implemented by the out-of-process drafter
+impl TapRows {
+    /// Appends `other` (the rows right after these) to these rows.
+    ///
+    /// # Panics
+    /// When `other` does not start where these rows end or carries other taps (an engine bug).
+    pub fn extend(&mut self, other: &TapRows) {
+        if self.rows == 0 {
+            *self = other.clone();
+            return;
+        }
+        assert_eq!(
+            other.pos,
+            self.pos + self.rows,
+            "invariant: tap rows are appended in position order"
+        );
+        assert_eq!(
+            other.layers.len(),
+            self.layers.len(),
+            "invariant: same taps"
+        );
+        assert_eq!(other.kv.len(), self.kv.len(), "invariant: same kv layers");
+        self.rows += other.rows;
+        for (a, b) in self.layers.iter_mut().zip(&other.layers) {
+            a.extend_from_slice(b);
+        }
+        if let (Some(a), Some(b)) = (&mut self.final_hidden, &other.final_hidden) {
+            a.extend_from_slice(b);
+        }
+        for ((ak, av), (bk, bv)) in self.kv.iter_mut().zip(&other.kv) {
+            ak.extend_from_slice(bk);
+            av.extend_from_slice(bv);
+        }
+    }
+
+    /// The first `rows` rows.
+    pub fn head(&self, rows: usize) -> TapRows {
+        let rows = rows.min(self.rows);
+        let cut = |v: &Vec<f32>| match self.rows {
+            0 => Vec::new(),
+            n => v[..v.len() / n * rows].to_vec(),
+        };
+        TapRows {
+            pos: self.pos,
+            rows,
+            layers: self.layers.iter().map(cut).collect(),
+            final_hidden: self.final_hidden.as_ref().map(cut),
+            kv: self.kv.iter().map(|(k, v)| (cut(k), cut(v))).collect(),
+        }
+    }
+
+    /// Bytes of payload.
+    pub fn bytes(&self) -> usize {
+        let f = self.layers.iter().map(Vec::len).sum::<usize>()
+            + self.final_hidden.as_ref().map_or(0, Vec::len)
+            + self
+                .kv
+                .iter()
+                .map(|(k, v)| k.len() + v.len())
+                .sum::<usize>();
+        f * std::mem::size_of::<f32>()
+    }
+}
+
+/// How a proposer is doing, as `/health` reports it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Health {
+    /// Answering in time.
+    #[default]
+    Healthy,
+    /// Missing deadlines or restarting: the engine drafts less with it (or not at all) until
+    /// it answers in time again.
+    Degraded,
+}
+
+/// Where drafts come from, as the engine sees it. Implemented by the out-of-process drafter
 /// client ([`crate::drafter`]) and by in-process adapters used for benchmarks and tests.
 ///
-/// Calls for one session always come in the order `open, (draft, verdict)*, close`. A proposer
-/// that fails returns an empty draft: the loop then decodes one token without speculation.
+/// A proposer that fails returns empty drafts: the engine then decodes without speculation.
 pub trait Proposer: Send {
     /// A short name for logs and metrics.
     fn name(&self) -> &str;
-    /// What the proposer wants to see after each verify forward.
+    /// What the proposer wants to see; re-read by the engine after every hot swap.
     fn wants(&self) -> Wants;
-    /// Starts a session whose context is `prompt` (all prompt ids, including the pending last one),
-    /// with `prompt_taps` holding the activations of the whole prompt when [`Proposer::wants`] asked.
+    /// Starts (or restarts) a session whose context is `context`, its last id pending. `taps`,
+    /// when [`Proposer::wants`] asked for any, cover positions `0..context.len() - 1`.
     fn open(
         &mut self,
         session: SessionId,
-        prompt: &[u32],
+        context: &[u32],
         sampling: &SamplingParams,
-        prompt_taps: Option<&TapRows>,
+        taps: Option<&TapRows>,
     );
-    /// Asks for up to `n` drafts. `new_tokens` are ids committed to the context that the proposer
-    /// has not been told of, neither by `open` nor by a [`Verdict::committed`] (usually empty; not
-    /// empty after rounds decoded without this proposer, e.g. while it was restarting).
-    fn draft(&mut self, session: SessionId, new_tokens: &[u32], n: usize) -> Draft;
-    /// Reports how the last draft fared.
-    fn verdict(&mut self, session: SessionId, verdict: &Verdict<'_>);
+    /// Drafts for every ask of `batch`: one [`Draft`] per ask, in order (empty on failure).
+    fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft>;
+    /// Reports how a session's drafts fared.
+    fn commit(&mut self, session: SessionId, verdict: &Verdict<'_>);
+    /// Reports ids committed to a session without drafts, with the taps of their rows.
+    fn advance(&mut self, session: SessionId, ids: &[u32], taps: Option<&TapRows>);
     /// Ends a session.
     fn close(&mut self, session: SessionId);
+    /// How the proposer is doing (default: always healthy).
+    fn health(&self) -> Health {
+        Health::Healthy
+    }
 }
 
 /// The proposer currently in use, swappable while requests run (hot-swap).
 ///
-/// A request opens its session on whatever proposer is current; at every round boundary it
-/// compares the slot's epoch with the one it opened on and, when a swap happened, opens the
+/// The engine opens each session on whatever proposer is current; before every draft it
+/// compares the slot's epoch with the one the session opened on and, after a swap, opens the
 /// session again on the new proposer with the whole context so far.
 #[derive(Default)]
 pub struct ProposerSlot {
     inner: std::sync::Mutex<Current>,
 }
 
-/// The slot's content: the current proposer and the epoch it was installed at.
+/// The slot's content: the current proposer and the epoch it was installed at. Read through
+/// [`ProposerSlot::lock`]; only [`ProposerSlot::replace`] changes the epoch.
 #[derive(Default)]
 pub struct Current {
+    epoch: u64,
+    proposer: Option<Box<dyn Proposer>>,
+}
+
+impl Current {
     /// Bumped by every [`ProposerSlot::replace`].
-    pub epoch: u64,
-    /// The proposer, or `None` when speculation is off.
-    pub proposer: Option<Box<dyn Proposer>>,
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The proposer, or `None` when there is none.
+    pub fn proposer(&mut self) -> Option<&mut (dyn Proposer + 'static)> {
+        self.proposer.as_deref_mut()
+    }
+
+    /// Whether a proposer is installed.
+    pub fn is_some(&self) -> bool {
+        self.proposer.is_some()
+    }
 }
 
 impl ProposerSlot {
@@ -130,6 +274,11 @@ impl ProposerSlot {
         std::mem::replace(&mut cur.proposer, proposer)
     }
 
+    /// The current proposer's health (`None` without a proposer).
+    pub fn health(&self) -> Option<Health> {
+        self.lock().proposer.as_ref().map(|p| p.health())
+    }
+
     /// Locks the slot. Hold it only across proposer calls, never across a target forward.
     pub fn lock(&self) -> std::sync::MutexGuard<'_, Current> {
         // A panic while holding the lock leaves a proposer in an unknown state, but the slot
@@ -138,8 +287,8 @@ impl ProposerSlot {
     }
 }
 
-/// A proposer shared between the slot (where the verify loop drives it) and an observer that
-/// reads its status or counters (the admin API, a benchmark). Calls lock it for their length.
+/// A proposer shared between the slot (where the engine drives it) and an observer that reads
+/// its status or counters (the admin API, a benchmark). Calls lock it for their length.
 pub struct Shared<P> {
     inner: std::sync::Arc<std::sync::Mutex<P>>,
     name: String,
@@ -176,19 +325,58 @@ impl<P: Proposer> Proposer for Shared<P> {
     fn open(
         &mut self,
         session: SessionId,
-        prompt: &[u32],
+        context: &[u32],
         sampling: &SamplingParams,
-        prompt_taps: Option<&TapRows>,
+        taps: Option<&TapRows>,
     ) {
-        self.lock().open(session, prompt, sampling, prompt_taps);
+        self.lock().open(session, context, sampling, taps);
     }
-    fn draft(&mut self, session: SessionId, new_tokens: &[u32], n: usize) -> Draft {
-        self.lock().draft(session, new_tokens, n)
+    fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
+        self.lock().draft(batch)
     }
-    fn verdict(&mut self, session: SessionId, verdict: &Verdict<'_>) {
-        self.lock().verdict(session, verdict);
+    fn commit(&mut self, session: SessionId, verdict: &Verdict<'_>) {
+        self.lock().commit(session, verdict);
+    }
+    fn advance(&mut self, session: SessionId, ids: &[u32], taps: Option<&TapRows>) {
+        self.lock().advance(session, ids, taps);
     }
     fn close(&mut self, session: SessionId) {
         self.lock().close(session);
+    }
+    fn health(&self) -> Health {
+        self.lock().health()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(pos: usize, n: usize) -> TapRows {
+        TapRows {
+            pos,
+            rows: n,
+            layers: vec![(0..n * 2).map(|i| (pos * 2 + i) as f32).collect()],
+            final_hidden: None,
+            kv: vec![],
+        }
+    }
+
+    #[test]
+    fn tap_rows_extend_and_cut_by_row() {
+        let mut a = rows(0, 2);
+        a.extend(&rows(2, 3));
+        assert_eq!(a, rows(0, 5));
+        assert_eq!(a.head(1), rows(0, 1));
+        assert_eq!(a.bytes(), 10 * 4);
+        let mut empty = TapRows::default();
+        empty.extend(&rows(4, 1));
+        assert_eq!(empty, rows(4, 1));
+    }
+
+    #[test]
+    #[should_panic(expected = "position order")]
+    fn tap_rows_refuse_a_gap() {
+        rows(0, 2).extend(&rows(3, 1));
     }
 }

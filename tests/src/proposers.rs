@@ -3,7 +3,22 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use specula_models::sampling::SamplingParams;
-use target_host::proposer::{Draft, Proposer, SessionId, TapRows, Verdict, Wants};
+use std::time::Duration;
+
+use target_host::proposer::{
+    Draft, DraftAsk, DraftBatch, Proposer, SessionId, TapRows, Verdict, Wants,
+};
+
+/// Drafts for one session through the batched interface, with a deadline long enough for a
+/// loaded test machine (the proposer's own configured deadline still applies).
+pub fn draft(p: &mut dyn Proposer, session: SessionId, n: usize) -> Draft {
+    let asks = [DraftAsk { session, n }];
+    let batch = DraftBatch {
+        asks: &asks,
+        deadline: Duration::from_secs(3600),
+    };
+    p.draft(&batch).pop().unwrap_or_default()
+}
 
 /// Proposes random tokens. With `sampled`, drafts are drawn from a fixed, deliberately wrong
 /// distribution `q` (mass piled on a few ids) and `q` is sent; otherwise one fixed id is
@@ -62,12 +77,21 @@ impl Proposer for BadProposer {
         Wants::default()
     }
     fn open(&mut self, _: SessionId, _: &[u32], _: &SamplingParams, _: Option<&TapRows>) {}
-    fn draft(&mut self, _: SessionId, _: &[u32], n: usize) -> Draft {
-        let tokens: Vec<u32> = (0..n).map(|_| self.one()).collect();
-        let q = self.q.clone().map(|q| vec![q; tokens.len()]);
-        Draft { tokens, q }
+    fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
+        let mut out = Vec::with_capacity(batch.asks.len());
+        for ask in batch.asks {
+            let tokens: Vec<u32> = (0..ask.n).map(|_| self.one()).collect();
+            let q = self.q.clone().map(|q| vec![q; tokens.len()]);
+            out.push(Draft {
+                tokens,
+                q,
+                confidence: None,
+            });
+        }
+        out
     }
-    fn verdict(&mut self, _: SessionId, _: &Verdict<'_>) {}
+    fn commit(&mut self, _: SessionId, _: &Verdict<'_>) {}
+    fn advance(&mut self, _: SessionId, _: &[u32], _: Option<&TapRows>) {}
     fn close(&mut self, _: SessionId) {}
 }
 
@@ -101,14 +125,20 @@ impl Proposer for ScriptProposer {
         self.prompt_len = prompt.len();
         self.context = prompt.to_vec();
     }
-    fn draft(&mut self, _: SessionId, new_tokens: &[u32], n: usize) -> Draft {
-        self.context.extend_from_slice(new_tokens);
+    fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
         let done = self.context.len() - self.prompt_len;
-        let tokens = self.script.iter().skip(done).take(n).copied().collect();
-        Draft { tokens, q: None }
+        let draft = |n: usize| Draft {
+            tokens: self.script.iter().skip(done).take(n).copied().collect(),
+            q: None,
+            confidence: None,
+        };
+        batch.asks.iter().map(|a| draft(a.n)).collect()
     }
-    fn verdict(&mut self, _: SessionId, v: &Verdict<'_>) {
+    fn commit(&mut self, _: SessionId, v: &Verdict<'_>) {
         self.context.extend_from_slice(v.committed);
+    }
+    fn advance(&mut self, _: SessionId, ids: &[u32], _: Option<&TapRows>) {
+        self.context.extend_from_slice(ids);
     }
     fn close(&mut self, _: SessionId) {}
 }

@@ -1,9 +1,13 @@
 //! [`DrafterClient`]: a drafter process behind the [`Proposer`] trait.
 //!
-//! Every call is synchronous and bounded: `draft` waits for the reply until
-//! [`ClientConfig::draft_deadline`] and returns an empty draft when it misses it; a reply that
-//! comes later carries a stale sequence number and is dropped. The client mirrors every session's
-//! context, so a respawned drafter gets its sessions re-opened with their full context.
+//! One `Draft` message per engine step carries a row per session (batched drafting). Every
+//! call is synchronous and bounded: `draft` waits for the reply until the engine's deadline
+//! (a few target steps, capped by [`ClientConfig::draft_deadline`]) and returns empty drafts
+//! when it misses it; a reply that comes later carries a stale sequence number and is dropped.
+//! Misses lower the drafter's budget ([`Pace`]): fewer drafts, then none but a probe that
+//! nobody waits for, until it answers in time again; meanwhile [`Proposer::health`] says
+//! degraded. The client mirrors every session's context, so a respawned drafter gets its
+//! sessions re-opened with their full context.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -21,7 +25,7 @@ use super::handshake::Connection;
 use super::supervisor::Supervisor;
 use super::validate::validate;
 use super::{ClientConfig, DrafterError, DrafterSpec, DrafterState, DrafterStats};
-use crate::proposer::{Draft, Proposer, SessionId, TapRows, Verdict, Wants};
+use crate::proposer::{Draft, DraftBatch, Health, Proposer, SessionId, TapRows, Verdict, Wants};
 
 /// What the client remembers of a session, to re-open it on a fresh drafter.
 #[derive(Debug)]
@@ -29,6 +33,9 @@ struct Mirror {
     context: Vec<u32>,
     sampling: SamplingSpec,
     step: u64,
+    /// Ids committed without drafts that the drafter has not heard of yet (sent as the next
+    /// row's `new_tokens`).
+    unheard: Vec<u32>,
 }
 
 /// A drafter process, supervised, as a [`Proposer`].
@@ -42,6 +49,7 @@ pub struct DrafterClient {
     sessions: HashMap<SessionId, Mirror>,
     stats: DrafterStats,
     bad_in_row: u32,
+    pace: Pace,
 }
 
 /// The protocol's form of the sampling parameters.
@@ -71,6 +79,7 @@ impl DrafterClient {
             .connection()
             .expect("invariant: a started supervisor is ready");
         let (name, caps) = (conn.hello.name.clone(), conn.hello.capabilities.clone());
+        let caps_max = caps.max_draft_len;
         Ok(DrafterClient {
             sup,
             target,
@@ -80,6 +89,7 @@ impl DrafterClient {
             sessions: HashMap::new(),
             stats: DrafterStats::default(),
             bad_in_row: 0,
+            pace: Pace::new(caps_max as usize),
         })
     }
 
@@ -119,7 +129,9 @@ impl DrafterClient {
             return;
         };
         // Taps of the old prompt are gone; the drafter gets ids only and catches up from there.
-        let result = self.sessions.iter().try_for_each(|(&session, m)| {
+        self.pace = Pace::new(self.caps.max_draft_len as usize);
+        let result = self.sessions.iter_mut().try_for_each(|(&session, m)| {
+            m.unheard.clear();
             let open = Open {
                 session,
                 prompt_ids: m.context.clone(),
@@ -166,8 +178,14 @@ impl DrafterClient {
     }
 }
 
-/// Writes a window of activations into the region; `None` (logged) when it does not fit.
-fn write_taps(region: &mut ShmWriter, taps: &TapRows, target: &TargetInfo) -> Option<TapViews> {
+/// Writes a window of activations into the region; `None` (logged and counted in
+/// `undelivered`) when it does not fit.
+fn write_taps(
+    region: &mut ShmWriter,
+    taps: &TapRows,
+    target: &TargetInfo,
+    undelivered: &mut u64,
+) -> Option<TapViews> {
     let rows = u32::try_from(taps.rows).ok().filter(|&r| r > 0)?;
     let mut write = |data: &[f32], inner: &[u32]| {
         let want: usize = inner.iter().map(|&d| d as usize).product::<usize>() * rows as usize;
@@ -206,7 +224,10 @@ fn write_taps(region: &mut ShmWriter, taps: &TapRows, target: &TargetInfo) -> Op
         })
     })();
     views
-        .map_err(|e| warn!(error = %e, "taps not delivered"))
+        .map_err(|e| {
+            *undelivered += 1;
+            warn!(error = %e, bytes = taps.bytes(), "taps not delivered");
+        })
         .ok()
 }
 
@@ -216,122 +237,158 @@ impl Proposer for DrafterClient {
     }
 
     fn wants(&self) -> Wants {
-        Wants {
-            tap_layers: self.caps.tap_layers.iter().map(|&l| l as usize).collect(),
-            final_hidden: self.caps.final_hidden,
-            kv_layers: self.caps.kv_layers.iter().map(|&l| l as usize).collect(),
-        }
+        Wants::from(&self.caps)
     }
 
     fn open(
         &mut self,
         session: SessionId,
-        prompt: &[u32],
+        context: &[u32],
         sampling: &SamplingParams,
-        prompt_taps: Option<&TapRows>,
+        taps: Option<&TapRows>,
     ) {
         self.poll();
         let sampling = sampling_spec(sampling);
         let mirror = Mirror {
-            context: prompt.to_vec(),
+            context: context.to_vec(),
             sampling: sampling.clone(),
             step: 0,
+            unheard: Vec::new(),
         };
         self.sessions.insert(session, mirror);
+        let mut undelivered = 0;
         self.send(|conn, target| {
-            let prompt_taps = match (&mut conn.region, prompt_taps) {
-                (Some(region), Some(taps)) => write_taps(region, taps, target),
+            let prompt_taps = match (&mut conn.region, taps) {
+                (Some(region), Some(taps)) => write_taps(region, taps, target, &mut undelivered),
                 _ => None,
             };
             Request::Open(Open {
                 session,
-                prompt_ids: prompt.to_vec(),
+                prompt_ids: context.to_vec(),
                 sampling,
                 prompt_taps,
             })
         });
+        self.stats.taps_undelivered += undelivered;
     }
 
-    fn draft(&mut self, session: SessionId, new_tokens: &[u32], n: usize) -> Draft {
+    fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
         self.poll();
-        let Some(mirror) = self.sessions.get_mut(&session) else {
-            warn!(session, "draft for a session that is not open");
-            return Draft::default();
-        };
-        mirror.context.extend_from_slice(new_tokens);
-        let n = n.min(self.caps.max_draft_len as usize);
-        let step = mirror.step;
-        mirror.step += 1;
-        let Some(conn) = self.sup.connection().filter(|_| n > 0) else {
-            return Draft::default();
-        };
-        let row = DraftRow {
-            session,
-            new_tokens: new_tokens.to_vec(),
-            n: n as u32,
-            step,
-        };
+        let empty = vec![Draft::default(); batch.asks.len()];
+        if self.sup.connection().is_none() {
+            return empty;
+        }
+        self.check_probe();
+        let budget = self.pace.budget;
+        let probing = budget == 0;
+        if probing && self.pace.probe.is_some() {
+            // A probe is out: wait for it (never for longer than now) before asking again.
+            return empty;
+        }
+        let max = self.caps.max_draft_len as usize;
+        let mut rows = Vec::with_capacity(batch.asks.len());
+        let mut asked = Vec::with_capacity(batch.asks.len());
+        for ask in batch.asks {
+            let n = match probing {
+                true => 1,
+                false => ask.n.min(max).min(budget),
+            };
+            let Some(mirror) = self.sessions.get_mut(&ask.session) else {
+                warn!(
+                    session = ask.session,
+                    "draft for a session that is not open"
+                );
+                asked.push(0);
+                continue;
+            };
+            let step = mirror.step;
+            mirror.step += 1;
+            rows.push(DraftRow {
+                session: ask.session,
+                new_tokens: std::mem::take(&mut mirror.unheard),
+                n: n as u32,
+                step,
+            });
+            asked.push(n);
+        }
+        if rows.is_empty() {
+            return empty;
+        }
         let sent_at = Instant::now();
-        let seq = match conn.send(Request::Draft(DraftRequest { rows: vec![row] })) {
+        let seq = {
+            let conn = self.sup.connection().expect("invariant: checked above");
+            conn.send(Request::Draft(DraftRequest { rows: rows.clone() }))
+        };
+        let seq = match seq {
             Ok(seq) => seq,
             Err(e) => {
                 self.sup.restart(&e.to_string());
-                return Draft::default();
+                return empty;
             }
         };
         self.stats.requests += 1;
-        let deadline = sent_at + self.config.draft_deadline;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let Some(conn) = self.sup.connection() else {
-                return Draft::default();
-            };
-            match conn.rx.try_recv_timeout(left) {
-                Ok(DrafterMsg::Reply {
-                    seq: got,
-                    reply: Reply::Drafted(drafted),
-                }) if got == seq => {
-                    self.record_rtt(sent_at);
-                    return match validate(drafted, session, n, self.target.vocab_size) {
-                        Ok(draft) => {
-                            self.bad_in_row = 0;
-                            self.stats.drafted += draft.tokens.len() as u64;
-                            draft
-                        }
-                        Err(reason) => {
-                            self.discard(&reason);
-                            Draft::default()
-                        }
-                    };
+        if probing {
+            // Nobody waits for a probe: its round trip, read on a later step, decides whether
+            // the drafter is back in time.
+            self.pace.probe = Some((seq, sent_at, batch.deadline));
+            return empty;
+        }
+        let deadline = batch.deadline.min(self.config.draft_deadline);
+        let Some(drafted) = self.recv(seq, sent_at + deadline) else {
+            self.pace.missed();
+            return empty;
+        };
+        self.record_rtt(sent_at);
+        self.pace.answered(max);
+        if drafted.rows.len() != rows.len() {
+            self.discard(&format!(
+                "{} rows for a request of {}",
+                drafted.rows.len(),
+                rows.len()
+            ));
+            return empty;
+        }
+        // Rows come back in the order asked; asks for unknown sessions were not sent.
+        let mut replies = drafted.rows.into_iter();
+        let mut out = Vec::with_capacity(batch.asks.len());
+        for (ask, &n) in batch.asks.iter().zip(&asked) {
+            if n == 0 {
+                out.push(Draft::default());
+                continue;
+            }
+            let row = replies
+                .next()
+                .expect("invariant: one reply row per sent row");
+            let one = specula_protocol::wire::Drafted { rows: vec![row] };
+            match validate(one, ask.session, n, self.target.vocab_size) {
+                Ok(draft) => {
+                    self.bad_in_row = 0;
+                    self.stats.drafted += draft.tokens.len() as u64;
+                    out.push(Draft {
+                        tokens: draft.tokens,
+                        q: draft.q,
+                        confidence: None,
+                    });
                 }
-                Ok(DrafterMsg::Reply { .. }) => self.stats.late_replies += 1,
-                Ok(DrafterMsg::Goodbye { reason }) => {
-                    self.sup
-                        .restart(&format!("the drafter said goodbye: {reason}"));
-                    return Draft::default();
-                }
-                Err(TryRecvError::Empty) => {
-                    self.stats.deadline_misses += 1;
-                    return Draft::default();
-                }
-                Err(TryRecvError::IpcError(e)) => {
-                    self.sup
-                        .restart(&format!("the drafter's channel failed: {e}"));
-                    return Draft::default();
+                Err(reason) => {
+                    self.discard(&reason);
+                    out.push(Draft::default());
                 }
             }
         }
+        out
     }
 
-    fn verdict(&mut self, session: SessionId, verdict: &Verdict<'_>) {
+    fn commit(&mut self, session: SessionId, verdict: &Verdict<'_>) {
         let Some(mirror) = self.sessions.get_mut(&session) else {
             return;
         };
         mirror.context.extend_from_slice(verdict.committed);
         self.stats.accepted += verdict.accepted as u64;
+        let mut undelivered = 0;
         self.send(|conn, target| {
             let taps = match (&mut conn.region, verdict.taps) {
-                (Some(region), Some(taps)) => write_taps(region, taps, target),
+                (Some(region), Some(taps)) => write_taps(region, taps, target, &mut undelivered),
                 _ => None,
             };
             Request::Commit(Commit {
@@ -342,6 +399,20 @@ impl Proposer for DrafterClient {
                 taps,
             })
         });
+        self.stats.taps_undelivered += undelivered;
+    }
+
+    fn advance(&mut self, session: SessionId, ids: &[u32], taps: Option<&TapRows>) {
+        let Some(mirror) = self.sessions.get_mut(&session) else {
+            return;
+        };
+        mirror.context.extend_from_slice(ids);
+        // A protocol 1.0 peer hears these ids as the `new_tokens` of its next draft row; the
+        // taps of their rows have no message to travel in.
+        mirror.unheard.extend_from_slice(ids);
+        if taps.is_some() && self.caps.wants_activations() {
+            self.stats.taps_undelivered += 1;
+        }
     }
 
     fn close(&mut self, session: SessionId) {
@@ -349,10 +420,124 @@ impl Proposer for DrafterClient {
             self.send(|_, _| Request::Close(Close { session }));
         }
     }
+
+    fn health(&self) -> Health {
+        match self.sup.state() == DrafterState::Ready && !self.pace.degraded(&self.caps) {
+            true => Health::Healthy,
+            false => Health::Degraded,
+        }
+    }
+}
+
+impl DrafterClient {
+    /// Waits until `deadline` for the reply to `seq`; handles whatever else arrives (late
+    /// replies, the probe's reply, a goodbye, a broken channel).
+    fn recv(&mut self, seq: u64, deadline: Instant) -> Option<specula_protocol::wire::Drafted> {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let conn = self.sup.connection()?;
+            match conn.rx.try_recv_timeout(left) {
+                Ok(DrafterMsg::Reply {
+                    seq: got,
+                    reply: Reply::Drafted(drafted),
+                }) if got == seq => return Some(drafted),
+                Ok(DrafterMsg::Reply { seq: got, .. }) => self.late(got),
+                Ok(DrafterMsg::Goodbye { reason }) => {
+                    self.sup
+                        .restart(&format!("the drafter said goodbye: {reason}"));
+                    return None;
+                }
+                Err(TryRecvError::Empty) => {
+                    self.stats.deadline_misses += 1;
+                    return None;
+                }
+                Err(TryRecvError::IpcError(e)) => {
+                    self.sup
+                        .restart(&format!("the drafter's channel failed: {e}"));
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// A reply that came after its deadline; the probe's decides whether the drafter recovers.
+    fn late(&mut self, seq: u64) {
+        match self.pace.probe {
+            Some((probe, sent, deadline)) if probe == seq => {
+                self.pace.probe = None;
+                if sent.elapsed() <= deadline {
+                    self.pace.budget = 1;
+                    debug!(drafter = %self.name, "probe answered in time; drafting again");
+                }
+            }
+            _ => self.stats.late_replies += 1,
+        }
+    }
+
+    /// Reads replies that arrived since the last call without waiting (a probe's answer).
+    fn check_probe(&mut self) {
+        while self.pace.probe.is_some() {
+            let Some(conn) = self.sup.connection() else {
+                return;
+            };
+            match conn.rx.try_recv() {
+                Ok(DrafterMsg::Reply { seq, .. }) => self.late(seq),
+                Ok(DrafterMsg::Goodbye { reason }) => {
+                    self.sup
+                        .restart(&format!("the drafter said goodbye: {reason}"));
+                    return;
+                }
+                Err(TryRecvError::Empty) => return,
+                Err(TryRecvError::IpcError(e)) => {
+                    self.sup
+                        .restart(&format!("the drafter's channel failed: {e}"));
+                    return;
+                }
+            }
+        }
+    }
 }
 
 impl Drop for DrafterClient {
     fn drop(&mut self) {
         self.sup.stop();
+    }
+}
+
+/// How much a drafter may draft, from how it has kept its deadlines: a miss halves the most
+/// drafts per row, a second miss in a row stops drafting; then one probe at a time (never
+/// waited for) tells whether it answers in time again, and every timely answer doubles the
+/// budget back up to the drafter's maximum.
+#[derive(Debug)]
+struct Pace {
+    budget: usize,
+    misses_in_row: u32,
+    probe: Option<(u64, Instant, std::time::Duration)>,
+}
+
+impl Pace {
+    fn new(max: usize) -> Self {
+        Pace {
+            budget: max,
+            misses_in_row: 0,
+            probe: None,
+        }
+    }
+
+    fn missed(&mut self) {
+        self.misses_in_row += 1;
+        self.budget = match self.misses_in_row {
+            1 => self.budget / 2,
+            _ => 0,
+        };
+    }
+
+    fn answered(&mut self, max: usize) {
+        self.misses_in_row = 0;
+        self.budget = (self.budget * 2).clamp(1, max.max(1));
+    }
+
+    fn degraded(&self, caps: &Capabilities) -> bool {
+        self.budget < caps.max_draft_len as usize
     }
 }

@@ -1,20 +1,26 @@
 //! Any SDK [`Drafter`] run inside the host, as a [`Proposer`]: the same drafting logic as its
 //! process, without the process boundary (for benchmarks that isolate the IPC cost, and tests).
 
+use std::collections::HashMap;
+
 use specula_models::sampling::SamplingParams;
 use specula_protocol::sdk::{CommitArgs, Drafter, OpenArgs, Taps};
 
 use super::client::sampling_spec;
-use crate::proposer::{Draft, Proposer, SessionId, TapRows, Verdict, Wants};
+use crate::proposer::{Draft, DraftBatch, Proposer, SessionId, TapRows, Verdict, Wants};
 
 /// An in-process drafter. Like the SDK, it caps every draft at `n` and at the drafter's
 /// `max_draft_len`; unlike a process, it cannot crash independently or miss a deadline.
+///
+/// Ids committed without drafts ([`Proposer::advance`]) reach the drafter as a protocol 1.0
+/// peer hears them: as the `new_tokens` of its next draft (their taps are not delivered).
 #[derive(Debug)]
 pub struct InProcess<D> {
     drafter: D,
     name: String,
     max_draft_len: usize,
     wants: Wants,
+    unheard: HashMap<SessionId, Vec<u32>>,
 }
 
 impl<D: Drafter> InProcess<D> {
@@ -26,11 +32,8 @@ impl<D: Drafter> InProcess<D> {
             drafter,
             name: info.name,
             max_draft_len: caps.max_draft_len as usize,
-            wants: Wants {
-                tap_layers: caps.tap_layers.iter().map(|&l| l as usize).collect(),
-                final_hidden: caps.final_hidden,
-                kv_layers: caps.kv_layers.iter().map(|&l| l as usize).collect(),
-            },
+            wants: Wants::from(&caps),
+            unheard: HashMap::new(),
         }
     }
 }
@@ -57,33 +60,51 @@ impl<D: Drafter + Send> Proposer for InProcess<D> {
     fn open(
         &mut self,
         session: SessionId,
-        prompt: &[u32],
+        context: &[u32],
         sampling: &SamplingParams,
         prompt_taps: Option<&TapRows>,
     ) {
         let sampling = sampling_spec(sampling);
         let args = OpenArgs {
-            prompt,
+            prompt: context,
             sampling: &sampling,
             taps: prompt_taps.map(taps),
         };
+        if self.unheard.insert(session, Vec::new()).is_some() {
+            // A re-open replaces the session, as the SDK's serve loop does.
+            self.drafter.close(session);
+        }
         self.drafter.open(session, args);
     }
 
-    fn draft(&mut self, session: SessionId, new_tokens: &[u32], n: usize) -> Draft {
-        let n = n.min(self.max_draft_len);
-        let mut p = self.drafter.draft(session, new_tokens, n);
-        p.tokens.truncate(n);
-        if let Some(q) = &mut p.q {
-            q.truncate(p.tokens.len());
-        }
-        Draft {
-            tokens: p.tokens,
-            q: p.q,
-        }
+    fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
+        batch
+            .asks
+            .iter()
+            .map(|ask| {
+                let Some(unheard) = self.unheard.get_mut(&ask.session) else {
+                    return Draft::default();
+                };
+                let new_tokens = std::mem::take(unheard);
+                let n = ask.n.min(self.max_draft_len);
+                let mut p = self.drafter.draft(ask.session, &new_tokens, n);
+                p.tokens.truncate(n);
+                if let Some(q) = &mut p.q {
+                    q.truncate(p.tokens.len());
+                }
+                Draft {
+                    tokens: p.tokens,
+                    q: p.q,
+                    confidence: None,
+                }
+            })
+            .collect()
     }
 
-    fn verdict(&mut self, session: SessionId, verdict: &Verdict<'_>) {
+    fn commit(&mut self, session: SessionId, verdict: &Verdict<'_>) {
+        if !self.unheard.contains_key(&session) {
+            return;
+        }
         let args = CommitArgs {
             drafted: verdict.drafted,
             accepted: verdict.accepted,
@@ -93,7 +114,15 @@ impl<D: Drafter + Send> Proposer for InProcess<D> {
         self.drafter.commit(session, args);
     }
 
+    fn advance(&mut self, session: SessionId, ids: &[u32], _taps: Option<&TapRows>) {
+        if let Some(unheard) = self.unheard.get_mut(&session) {
+            unheard.extend_from_slice(ids);
+        }
+    }
+
     fn close(&mut self, session: SessionId) {
-        self.drafter.close(session);
+        if self.unheard.remove(&session).is_some() {
+            self.drafter.close(session);
+        }
     }
 }

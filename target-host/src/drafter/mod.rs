@@ -124,7 +124,8 @@ impl DrafterError {
 pub struct ClientConfig {
     /// Spawn to ready.
     pub handshake_timeout: Duration,
-    /// How long a draft request may take; a late reply is dropped and the round runs draft-less.
+    /// The longest a draft request may take (the engine's deadline, a few target steps, is
+    /// usually shorter); a late reply is dropped and the round runs draft-less.
     pub draft_deadline: Duration,
     /// Bad replies in a row after which the drafter is restarted.
     pub max_bad_replies: u32,
@@ -170,6 +171,9 @@ pub struct DrafterStats {
     pub deadline_misses: u64,
     /// Late replies dropped because their sequence number was stale.
     pub late_replies: u64,
+    /// Tap windows that could not be delivered (too large for the shared region, or a round
+    /// without drafts to a peer that has no message for its taps).
+    pub taps_undelivered: u64,
     /// Times the drafter process was (re)started after the first start.
     pub restarts: u64,
     /// Recent Draft → Drafted round trips, in microseconds, oldest first.

@@ -24,6 +24,7 @@ pub(super) fn validate(
     Ok(Draft {
         tokens: row.tokens,
         q: row.q,
+        confidence: None,
     })
 }
 

@@ -44,7 +44,10 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
     let text = render(state, &req.messages)?;
     let prompt_ids = encode(state, &text, "messages").await?;
     let (gen_req, plan) = checked.into_request(state, prompt_ids, logprobs, "messages")?;
-    let rx = state.engine.submit(gen_req);
+    let rx = match super::admission::submit(state, "chat", gen_req) {
+        Ok(rx) => rx,
+        Err(refused) => return Ok(*refused),
+    };
     let tracker = Tracker::new(state.metrics.clone(), "chat");
     let mut chunks = ChatChunks {
         id: new_id("chatcmpl"),

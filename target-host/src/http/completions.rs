@@ -54,7 +54,10 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
         .transpose()?;
     let prompt_ids = encode(state, &prompt, "prompt").await?;
     let (gen_req, plan) = checked.into_request(state, prompt_ids, logprobs, "prompt")?;
-    let rx = state.engine.submit(gen_req);
+    let rx = match super::admission::submit(state, "completions", gen_req) {
+        Ok(rx) => rx,
+        Err(refused) => return Ok(*refused),
+    };
     let tracker = Tracker::new(state.metrics.clone(), "completions");
     let chunks = CompletionChunks {
         id: new_id("cmpl"),

@@ -17,7 +17,7 @@ use axum::response::{IntoResponse, Response};
 use specula_models::sampling::SamplingParams;
 
 use super::AppState;
-use crate::proposer::{Draft, Proposer, SessionId, TapRows, Verdict, Wants};
+use crate::proposer::{Draft, DraftBatch, Health, Proposer, SessionId, TapRows, Verdict, Wants};
 
 /// A latency histogram with fixed bucket bounds (seconds).
 pub struct Histogram {
@@ -334,8 +334,13 @@ fn escape(v: &str) -> String {
 pub async fn handler(State(state): State<Arc<AppState>>) -> Response {
     state.metrics.request("metrics", 200);
     // Restart counts come from drafter clients, which answer between proposer calls.
-    let render =
-        tokio::task::spawn_blocking(move || state.metrics.render(state.engine.queue_depth()));
+    let render = tokio::task::spawn_blocking(move || {
+        // The engine's own series (running/waiting, pool, batch rows, chosen k, prefix
+        // cache) are rendered by the engine.
+        let mut text = state.metrics.render(state.engine.queue_depth());
+        state.engine.counters().render(&mut text);
+        text
+    });
     match render.await {
         Ok(body) => (
             [(
@@ -382,14 +387,14 @@ impl Proposer for Metered {
         self.inner.open(session, prompt, sampling, taps);
     }
 
-    fn draft(&mut self, session: SessionId, new_tokens: &[u32], n: usize) -> Draft {
+    fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
         let started = Instant::now();
-        let draft = self.inner.draft(session, new_tokens, n);
+        let drafts = self.inner.draft(batch);
         self.meter.round_trip.observe(started.elapsed());
-        draft
+        drafts
     }
 
-    fn verdict(&mut self, session: SessionId, verdict: &Verdict<'_>) {
+    fn commit(&mut self, session: SessionId, verdict: &Verdict<'_>) {
         self.meter
             .drafted
             .fetch_add(verdict.drafted as u64, Ordering::Relaxed);
@@ -397,7 +402,15 @@ impl Proposer for Metered {
             .accepted
             .fetch_add(verdict.accepted as u64, Ordering::Relaxed);
         self.meter.rounds.fetch_add(1, Ordering::Relaxed);
-        self.inner.verdict(session, verdict);
+        self.inner.commit(session, verdict);
+    }
+
+    fn advance(&mut self, session: SessionId, ids: &[u32], taps: Option<&TapRows>) {
+        self.inner.advance(session, ids, taps);
+    }
+
+    fn health(&self) -> Health {
+        self.inner.health()
     }
 
     fn close(&mut self, session: SessionId) {

@@ -14,6 +14,7 @@
 //! OpenAI's API reference; the Specula extensions are documented in [`openai_types`].
 
 pub mod admin;
+mod admission;
 pub mod chat;
 pub mod completions;
 pub mod error;
@@ -61,6 +62,9 @@ pub struct ServeArgs {
     #[command(flatten)]
     /// The drafter started with the server (more can be swapped in through the admin API).
     pub drafter: DrafterArgs,
+    #[command(flatten)]
+    /// Batching limits: running sequences, queue, step budget, KV pool.
+    pub engine: crate::engine::EngineConfig,
     /// Address to bind. Loopback by default; on any other address the admin API needs
     /// `--admin-token`.
     #[arg(long, default_value = "127.0.0.1")]
@@ -110,7 +114,11 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             .unwrap_or_else(|| path.display().to_string())
     });
     let metrics = Arc::new(Metrics::default());
-    let engine = Engine::start(loaded, None);
+    let engine_config = crate::engine::EngineConfig {
+        draft_deadline_cap: args.drafter.client_config().draft_deadline,
+        ..args.engine.clone()
+    };
+    let engine = Engine::start(loaded, None, engine_config)?;
     let launcher = launch::launcher(&engine, &args.drafter);
     let first = match (&args.drafter.drafter, args.drafter.no_speculation) {
         (Some(path), false) => match launcher(path, &args.drafter.drafter_args) {

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use specula_models::sampling::SamplingParams;
 use specula_protocol::wire::TargetInfo;
+use specula_tests::proposers::draft;
 use target_host::drafter::{ClientConfig, DrafterClient, DrafterSpec};
 use target_host::proposer::{Proposer, Verdict};
 
@@ -45,11 +46,11 @@ fn main() -> Result<()> {
     let mut drafted = 0;
     for _ in 0..rounds {
         let t0 = Instant::now();
-        let draft = client.draft(1, &[], 8);
+        let draft = draft(&mut client, 1, 8);
         drafted += draft.tokens.len();
         let committed = [next];
         next = 1000 + (next - 1000 + 1) % 97;
-        client.verdict(
+        client.commit(
             1,
             &Verdict {
                 drafted: draft.tokens.len(),

@@ -51,7 +51,7 @@ fn main() -> Result<()> {
             let before = open_fds()?;
             let mut client = DrafterClient::start(spec, target(), ClientConfig::default())?;
             client.open(1, &[5, 6, 7, 5, 6], &SamplingParams::default(), None);
-            client.draft(1, &[], 4);
+            specula_tests::proposers::draft(&mut client, 1, 4);
             let pid = client.pid().context("no drafter")?;
             let status = std::process::Command::new("kill")
                 .args(["-9", &pid.to_string()])
@@ -61,7 +61,7 @@ fn main() -> Result<()> {
             }
             let until = Instant::now() + Duration::from_secs(10);
             // The first draft after the kill notices the crash; then the respawn runs.
-            client.draft(1, &[], 4);
+            specula_tests::proposers::draft(&mut client, 1, 4);
             while client.poll() != DrafterState::Ready {
                 if Instant::now() > until {
                     bail!("no respawn: state {:?}", client.state());

@@ -1,0 +1,342 @@
+//! The cost-aware speculation controller: every step, each running sequence's draft length k
+//! (0 included) is chosen to maximise committed tokens per second of the whole batch.
+//!
+//! - **Cost**: [`CostTable`] maps the rows of one target forward to its time, profiled at
+//!   start-up and kept current by every step (an EMA per size bucket, interpolated between
+//!   buckets, made non-decreasing). Drafting costs its measured latency (IPC and the drafter's
+//!   own step) whenever any sequence drafts.
+//! - **Acceptance**: each sequence keeps an exponentially forgotten count of judged draft slots
+//!   ([`Acceptance`]): a round of k drafts with a accepted is a accepts and, when a < k, one
+//!   rejection (the first rejection ends the round: a truncated geometric). Its estimate is
+//!   shrunk toward the drafter-wide rate, so a new sequence starts from what the drafter has
+//!   shown, and it drifts back toward that prior while the sequence does not draft, so a
+//!   sequence that once did badly is probed again later.
+//! - **Allocation** (TETRIS, arXiv 2502.15197, over SmartSpec's goodput, arXiv 2406.14066):
+//!   the next draft slot goes to the sequence whose next draft is most likely accepted
+//!   (α_i^(k_i+1)); for every total m of slots the batch's goodput is
+//!   `Σ_i E_i(k_i) / (cost(rows + m) + draft_latency·[m > 0])`, `E_i(k) = Σ_{j=0..k} α_i^j`,
+//!   and the best m wins. m = 0 is plain decoding, so speculation is chosen only when it is
+//!   expected to pay.
+//! - **Hysteresis**: the last total is kept unless another beats it by [`HYSTERESIS`], so the
+//!   choice does not flap at a threshold (vLLM #49548's collapse).
+//!
+//! Whatever k is chosen, every committed token comes from the target's verification, so the
+//! controller changes speed only.
+
+/// How much better (relative goodput) a new total draft count must be to replace the last.
+pub const HYSTERESIS: f64 = 0.05;
+
+/// Forgetting factor of a sequence's acceptance counts, per judged round.
+const FORGET: f64 = 0.9;
+
+/// Weight, in judged slots, of the drafter-wide prior in a sequence's estimate.
+const PRIOR_WEIGHT: f64 = 2.0;
+
+/// Per step without drafting, a sequence's own counts fade by this factor (back to the prior).
+const IDLE_FADE: f64 = 0.97;
+
+/// Forward time as a function of the rows in the forward.
+#[derive(Debug, Clone)]
+pub struct CostTable {
+    /// `(rows, ms)` per bucket (rows ascending, powers of two).
+    buckets: Vec<(usize, f64)>,
+}
+
+impl CostTable {
+    /// A table from measured `(rows, ms)` points (at least one).
+    pub fn new(mut points: Vec<(usize, f64)>) -> Self {
+        points.sort_by_key(|p| p.0);
+        points.dedup_by_key(|p| p.0);
+        assert!(!points.is_empty(), "invariant: the cost table has a point");
+        CostTable { buckets: points }
+    }
+
+    /// Estimated milliseconds of a forward of `rows` rows (non-decreasing in `rows`).
+    pub fn cost(&self, rows: usize) -> f64 {
+        let b = &self.buckets;
+        let rows = rows.max(1);
+        let i = b.partition_point(|&(r, _)| r < rows);
+        let raw = if i == 0 {
+            b[0].1 * rows as f64 / b[0].0 as f64
+        } else if i == b.len() {
+            // Past the last bucket: linear in rows from the last point.
+            let (r, c) = b[b.len() - 1];
+            c * rows as f64 / r as f64
+        } else {
+            let ((r0, c0), (r1, c1)) = (b[i - 1], b[i]);
+            let t = (rows - r0) as f64 / (r1 - r0) as f64;
+            c0 + t * (c1 - c0)
+        };
+        // Monotone: more rows never cost less than fewer.
+        let floor = b[..i].iter().map(|p| p.1).fold(0.0, f64::max);
+        raw.max(floor)
+    }
+
+    /// Folds a measured step (`rows`, `ms`) into its bucket (EMA); new sizes add a bucket.
+    pub fn observe(&mut self, rows: usize, ms: f64) {
+        if rows == 0 || !ms.is_finite() || ms <= 0.0 {
+            return;
+        }
+        let bucket = rows.next_power_of_two();
+        // Scale the sample to the bucket's size, assuming cost linear between neighbours.
+        let scaled = ms * self.cost(bucket) / self.cost(rows).max(1e-9);
+        match self.buckets.iter_mut().find(|p| p.0 == bucket) {
+            Some(p) => p.1 = 0.8 * p.1 + 0.2 * scaled,
+            None => {
+                self.buckets.push((bucket, scaled));
+                self.buckets.sort_by_key(|p| p.0);
+            }
+        }
+    }
+}
+
+/// A sequence's record of how its drafts fared.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Acceptance {
+    accepts: f64,
+    trials: f64,
+}
+
+impl Acceptance {
+    /// Folds in one verified round: `drafted` asked-for slots, `accepted` of them accepted.
+    /// An empty reply to a non-empty ask counts as one rejected slot.
+    pub fn observe(&mut self, asked: usize, drafted: usize, accepted: usize) {
+        if asked == 0 {
+            return;
+        }
+        self.accepts = self.accepts * FORGET + accepted as f64;
+        let rejected = usize::from(accepted < drafted || drafted == 0);
+        self.trials = self.trials * FORGET + (accepted + rejected) as f64;
+    }
+
+    /// A step in which the sequence did not draft: its own evidence fades.
+    pub fn idle(&mut self) {
+        self.accepts *= IDLE_FADE;
+        self.trials *= IDLE_FADE;
+    }
+
+    /// Per-slot acceptance, shrunk toward `prior`.
+    pub fn alpha(&self, prior: f64) -> f64 {
+        ((self.accepts + PRIOR_WEIGHT * prior) / (self.trials + PRIOR_WEIGHT)).clamp(0.0, 0.999)
+    }
+}
+
+/// One sequence's part in an allocation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Candidate {
+    /// Per-slot acceptance estimate.
+    pub alpha: f64,
+    /// Most drafts it may get (its request's maximum, its budget, the context room).
+    pub max: usize,
+}
+
+/// The controller's state between steps.
+#[derive(Debug, Clone)]
+pub struct Controller {
+    /// Forward cost.
+    pub cost: CostTable,
+    /// Drafter-wide acceptance (the prior of every sequence).
+    pub global: Acceptance,
+    /// Measured draft latency (ms, EMA); `None` before the first draft.
+    pub draft_ms: Option<f64>,
+    last_total: usize,
+}
+
+impl Controller {
+    /// A controller over a profiled cost table.
+    pub fn new(cost: CostTable) -> Self {
+        Controller {
+            cost,
+            global: Acceptance::default(),
+            draft_ms: None,
+            last_total: 0,
+        }
+    }
+
+    /// The drafter-wide prior acceptance (optimistic before any evidence, so drafting is
+    /// tried).
+    pub fn prior(&self) -> f64 {
+        self.global.alpha(0.6)
+    }
+
+    /// Folds in a measured draft call.
+    pub fn observe_draft(&mut self, ms: f64) {
+        self.draft_ms = Some(match self.draft_ms {
+            None => ms,
+            Some(old) => 0.8 * old + 0.2 * ms,
+        });
+    }
+
+    /// A new drafter (hot swap): what was learned about the old one no longer holds.
+    pub fn reset_drafter(&mut self) {
+        self.global = Acceptance::default();
+        self.draft_ms = None;
+        self.last_total = 0;
+    }
+
+    /// Each candidate's k for a step that already runs `rows` rows, with at most `room` draft
+    /// rows in all. See the module docs.
+    pub fn allocate(&mut self, rows: usize, room: usize, cands: &[Candidate]) -> Vec<usize> {
+        let mut k = vec![0usize; cands.len()];
+        // Slots in the order the greedy allocation hands them out.
+        let mut order = Vec::new();
+        let mut next: Vec<f64> = cands.iter().map(|c| c.alpha).collect();
+        let cap: usize = cands.iter().map(|c| c.max).sum::<usize>().min(room);
+        let mut probe = k.clone();
+        for _ in 0..cap {
+            let best = (0..cands.len())
+                .filter(|&i| probe[i] < cands[i].max)
+                .max_by(|&a, &b| next[a].total_cmp(&next[b]));
+            let Some(i) = best else { break };
+            order.push(i);
+            probe[i] += 1;
+            next[i] *= cands[i].alpha;
+        }
+        let base_tokens = cands.len() as f64;
+        let draft_ms = self.draft_ms.unwrap_or(0.0);
+        let mut gain = base_tokens;
+        let mut weight: Vec<f64> = cands.iter().map(|c| c.alpha).collect();
+        let mut goodput = vec![base_tokens / self.cost.cost(rows)];
+        for &i in &order {
+            gain += weight[i];
+            weight[i] *= cands[i].alpha;
+            let m = goodput.len();
+            goodput.push(gain / (self.cost.cost(rows + m) + draft_ms));
+        }
+        let best = (0..goodput.len())
+            .max_by(|&a, &b| goodput[a].total_cmp(&goodput[b]))
+            .unwrap_or(0);
+        let keep = self.last_total.min(goodput.len() - 1);
+        let total = match goodput[best] > goodput[keep] * (1.0 + HYSTERESIS) {
+            true => best,
+            false => keep,
+        };
+        self.last_total = total;
+        for &i in &order[..total] {
+            k[i] += 1;
+        }
+        k
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A CPU-like table: 8 verify rows cost ~3.7 decode steps (the measurement).
+    fn cpu() -> CostTable {
+        CostTable::new(vec![(1, 10.0), (2, 14.0), (4, 22.0), (8, 37.0), (16, 70.0)])
+    }
+
+    /// A memory-bound table: extra rows are nearly free.
+    fn gpu() -> CostTable {
+        CostTable::new(vec![(1, 10.0), (8, 10.5), (64, 14.0)])
+    }
+
+    #[test]
+    fn the_cost_table_interpolates_and_never_decreases() {
+        let t = cpu();
+        assert_eq!(t.cost(1), 10.0);
+        assert_eq!(t.cost(3), 18.0);
+        assert_eq!(t.cost(32), 140.0);
+        let mut last = 0.0;
+        for rows in 1..40 {
+            assert!(t.cost(rows) >= last);
+            last = t.cost(rows);
+        }
+        let mut t = cpu();
+        t.observe(8, 57.0);
+        assert!((t.cost(8) - 41.0).abs() < 1e-9, "EMA moves 20% toward 57");
+    }
+
+    #[test]
+    fn acceptance_counts_a_truncated_geometric() {
+        let mut a = Acceptance::default();
+        // α = 0.5: accept, reject.
+        for _ in 0..50 {
+            a.observe(4, 4, 1);
+        }
+        assert!((a.alpha(0.5) - 0.5).abs() < 0.01);
+        let mut b = Acceptance::default();
+        for _ in 0..50 {
+            b.observe(4, 4, 4);
+        }
+        assert!(b.alpha(0.5) > 0.95);
+        let mut c = Acceptance::default();
+        for _ in 0..50 {
+            c.observe(4, 0, 0);
+        }
+        assert!(c.alpha(0.5) < 0.1, "empty replies count as rejections");
+        for _ in 0..200 {
+            c.idle();
+        }
+        assert!(
+            (c.alpha(0.5) - 0.5).abs() < 0.01,
+            "idle sequences return to the prior"
+        );
+    }
+
+    fn cands(alphas: &[f64], max: usize) -> Vec<Candidate> {
+        alphas
+            .iter()
+            .map(|&alpha| Candidate { alpha, max })
+            .collect()
+    }
+
+    #[test]
+    fn poor_acceptance_on_a_compute_bound_target_drafts_nothing() {
+        let mut c = Controller::new(cpu());
+        assert_eq!(c.allocate(1, 16, &cands(&[0.3], 8)), vec![0]);
+    }
+
+    #[test]
+    fn high_acceptance_drafts_and_cheap_verification_drafts_more() {
+        let mut c = Controller::new(cpu());
+        let k_cpu = c.allocate(1, 16, &cands(&[0.95], 8))[0];
+        assert!(k_cpu > 0, "α = 0.95 pays even on a CPU");
+        let mut g = Controller::new(gpu());
+        let k_gpu = g.allocate(1, 16, &cands(&[0.95], 8))[0];
+        assert!(k_gpu >= k_cpu, "gpu {k_gpu} cpu {k_cpu}");
+        assert_eq!(
+            g.allocate(1, 4, &cands(&[0.95], 8))[0],
+            4,
+            "bounded by room"
+        );
+    }
+
+    #[test]
+    fn slots_go_to_the_sequences_most_likely_to_accept() {
+        let mut c = Controller::new(gpu());
+        let k = c.allocate(3, 64, &cands(&[0.9, 0.2, 0.7], 6));
+        assert!(k[0] >= k[2] && k[2] >= k[1], "{k:?}");
+        assert!(k[0] > 0);
+    }
+
+    #[test]
+    fn a_slow_drafter_drafts_less() {
+        let mut fast = Controller::new(cpu());
+        fast.observe_draft(0.5);
+        let mut slow = Controller::new(cpu());
+        slow.observe_draft(40.0);
+        let kf = fast.allocate(1, 16, &cands(&[0.9], 8))[0];
+        let ks = slow.allocate(1, 16, &cands(&[0.9], 8))[0];
+        assert!(kf > ks, "fast {kf} slow {ks}");
+    }
+
+    #[test]
+    fn hysteresis_keeps_the_last_choice_near_a_tie() {
+        // On the CPU table one draft at α = 0.42 beats none by 1.4%: not enough to switch.
+        let mut c = Controller::new(cpu());
+        assert_eq!(c.allocate(1, 16, &cands(&[0.42], 8)), vec![0]);
+        // At α = 0.5 it wins by 7%: switch.
+        assert_eq!(c.allocate(1, 16, &cands(&[0.5], 8)), vec![1]);
+        // Back just below the tie: keep drafting one, where a fresh controller drafts none.
+        assert_eq!(c.allocate(1, 16, &cands(&[0.39], 8)), vec![1]);
+        assert_eq!(
+            Controller::new(cpu()).allocate(1, 16, &cands(&[0.39], 8)),
+            vec![0]
+        );
+        // Far below: switch back.
+        assert_eq!(c.allocate(1, 16, &cands(&[0.1], 8)), vec![0]);
+    }
+}

@@ -1,0 +1,616 @@
+//! The batched engine: continuous batching with speculation over one target model.
+//!
+//! Requests join and leave between steps; every step runs one target forward over the rows of
+//! all running sequences (`[pending, drafts]` each, or a prefill chunk) and verifies each
+//! sequence over its own rows. The CLI's `generate` is a batch of one through the same
+//! [`Core::step`]; `serve` runs every request through it on one worker thread.
+//!
+//! | module | job |
+//! |---|---|
+//! | [`scheduler`] | admission (bounded queue, pool reservations), the per-step token budget |
+//! | [`sequence`] | one request's state and its commit rule (EOS, stop strings, max_tokens) |
+//! | [`step`] | [`Core`]: plan, batched draft, one forward, per-sequence verify and commit |
+//! | [`target`] | the sequences' K/V and the forward over their rows |
+//! | [`controller`] | per-sequence k from a profiled cost table and acceptance |
+//! | [`drafting`] | what each drafter session is told and given; re-sync after a swap |
+//!
+//! Requests arrive from any thread (the HTTP handlers) through [`Engine::submit`], which
+//! refuses at once (HTTP 429 with a retry delay) when the bounded queue is full, and stream
+//! their tokens back over a channel; dropping the receiving end cancels the request before the
+//! next step and frees its K/V.
+
+pub mod controller;
+pub mod drafting;
+pub mod scheduler;
+pub mod sequence;
+pub mod step;
+pub mod target;
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use specula_models::chat::ChatTemplate;
+use specula_models::loader::LoadedModel;
+use specula_models::tokenizer::Tokenizer;
+use specula_models::Model;
+use tokio::sync::mpsc as tokio_mpsc;
+
+use crate::generation::{Flow, Generation, GenerationRequest, TokenEvent, TokenLogprob};
+use crate::proposer::{Health, Proposer, ProposerSlot, SessionId};
+
+pub use scheduler::{Limits, Refusal};
+pub use sequence::Sink;
+pub use step::Core;
+
+/// The engine's limits and knobs (`serve` and `generate` flags).
+#[derive(Args, Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    /// Most sequences running (decoding or prefilling) at once.
+    #[arg(long, default_value_t = 16)]
+    pub max_running: usize,
+    /// Requests that may wait for a running slot; one more is refused (HTTP 429).
+    #[arg(long, default_value_t = 64)]
+    pub max_waiting: usize,
+    /// Target rows per step: decode rows, drafts and prefill chunks together (at least
+    /// `--max-running`).
+    #[arg(long, default_value_t = 256)]
+    pub max_batch_tokens: usize,
+    /// KV pool capacity in positions for all running sequences together (0: room for
+    /// `--max-running` sequences at the full context).
+    #[arg(long, default_value_t = 0)]
+    pub kv_pool_tokens: usize,
+    /// The draft deadline, in measured target steps (the step this draft feeds).
+    #[arg(long, default_value_t = 8.0)]
+    pub draft_deadline_steps: f64,
+    /// The longest draft deadline (set from `--draft-deadline-ms`).
+    #[arg(skip = Duration::from_millis(500))]
+    pub draft_deadline_cap: Duration,
+    /// Profile the forward cost at start-up (off in unit tests of tiny models).
+    #[arg(skip = true)]
+    pub profile: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_running: 16,
+            max_waiting: 64,
+            max_batch_tokens: 256,
+            kv_pool_tokens: 0,
+            draft_deadline_steps: 8.0,
+            draft_deadline_cap: Duration::from_millis(500),
+            profile: true,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// The scheduler's limits for a model of `context` positions.
+    pub fn limits(&self, context: usize) -> Limits {
+        let max_running = self.max_running.max(1);
+        Limits {
+            max_running,
+            max_waiting: self.max_waiting,
+            batch_tokens: self.max_batch_tokens.max(max_running),
+            pool_tokens: match self.kv_pool_tokens {
+                0 => max_running * context,
+                n => n,
+            },
+        }
+    }
+
+    /// Checks the flags.
+    ///
+    /// # Errors
+    /// A zero limit or a batch smaller than the running sequences.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.max_running > 0, "--max-running must be at least 1");
+        anyhow::ensure!(
+            self.max_batch_tokens >= self.max_running,
+            "--max-batch-tokens ({}) must be at least --max-running ({}): every running \
+             sequence needs a row per step",
+            self.max_batch_tokens,
+            self.max_running
+        );
+        anyhow::ensure!(
+            self.draft_deadline_steps > 0.0 && self.draft_deadline_steps.is_finite(),
+            "--draft-deadline-steps must be a positive number"
+        );
+        Ok(())
+    }
+}
+
+/// The engine's live counters, for `/metrics` (plain atomics; [`Counters::snapshot`] reads
+/// them).
+#[derive(Debug, Default)]
+pub struct Counters {
+    running: AtomicUsize,
+    waiting: AtomicUsize,
+    pool_capacity: AtomicUsize,
+    pool_reserved: AtomicUsize,
+    pool_used: AtomicUsize,
+    steps: AtomicU64,
+    batch_rows: AtomicU64,
+    last_batch_rows: AtomicUsize,
+    drafts_chosen: AtomicU64,
+    decode_rows: AtomicU64,
+    last_mean_k_milli: AtomicU64,
+    finished: AtomicU64,
+    prefix_lookups: AtomicU64,
+    prefix_hit_tokens: AtomicU64,
+    refused: AtomicU64,
+}
+
+/// A reading of [`Counters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineCounters {
+    /// Sequences running.
+    pub running: usize,
+    /// Requests waiting.
+    pub waiting: usize,
+    /// KV pool capacity (positions).
+    pub pool_capacity: usize,
+    /// Positions reserved by running sequences.
+    pub pool_reserved: usize,
+    /// Positions holding K/V now.
+    pub pool_used: usize,
+    /// Steps run.
+    pub steps: u64,
+    /// Target rows over all steps.
+    pub batch_rows: u64,
+    /// Rows of the last step.
+    pub last_batch_rows: usize,
+    /// Drafts verified over all steps (the controller's k, as drafted).
+    pub drafts: u64,
+    /// Decode rows over all steps (sequences verified).
+    pub decode_rows: u64,
+    /// Mean k over the sequences of the last step.
+    pub last_mean_k: f64,
+    /// Sequences finished.
+    pub finished: u64,
+    /// Prefix-cache lookups (one per admitted prompt).
+    pub prefix_lookups: u64,
+    /// Prompt positions served from the prefix cache.
+    pub prefix_hit_tokens: u64,
+    /// Requests refused (queue full).
+    pub refused: u64,
+}
+
+impl Counters {
+    fn set_limits(&self, limits: &Limits) {
+        self.pool_capacity
+            .store(limits.pool_tokens, Ordering::Relaxed);
+    }
+
+    fn publish(&self, running: usize, waiting: usize, reserved: usize, used: usize) {
+        self.running.store(running, Ordering::Relaxed);
+        self.waiting.store(waiting, Ordering::Relaxed);
+        self.pool_reserved.store(reserved, Ordering::Relaxed);
+        self.pool_used.store(used, Ordering::Relaxed);
+    }
+
+    fn step(&self, rows: usize, ks: &[usize]) {
+        self.steps.fetch_add(1, Ordering::Relaxed);
+        self.batch_rows.fetch_add(rows as u64, Ordering::Relaxed);
+        self.last_batch_rows.store(rows, Ordering::Relaxed);
+        let drafts: usize = ks.iter().sum();
+        self.drafts_chosen
+            .fetch_add(drafts as u64, Ordering::Relaxed);
+        self.decode_rows
+            .fetch_add(ks.len() as u64, Ordering::Relaxed);
+        let mean = match ks.len() {
+            0 => 0,
+            n => (drafts as u64 * 1000) / n as u64,
+        };
+        self.last_mean_k_milli.store(mean, Ordering::Relaxed);
+    }
+
+    fn finished(&self) {
+        self.finished.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> EngineCounters {
+        let r = |a: &AtomicUsize| a.load(Ordering::Relaxed);
+        let q = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        EngineCounters {
+            running: r(&self.running),
+            waiting: r(&self.waiting),
+            pool_capacity: r(&self.pool_capacity),
+            pool_reserved: r(&self.pool_reserved),
+            pool_used: r(&self.pool_used),
+            steps: q(&self.steps),
+            batch_rows: q(&self.batch_rows),
+            last_batch_rows: r(&self.last_batch_rows),
+            drafts: q(&self.drafts_chosen),
+            decode_rows: q(&self.decode_rows),
+            last_mean_k: q(&self.last_mean_k_milli) as f64 / 1000.0,
+            finished: q(&self.finished),
+            prefix_lookups: q(&self.prefix_lookups),
+            prefix_hit_tokens: q(&self.prefix_hit_tokens),
+            refused: q(&self.refused),
+        }
+    }
+}
+
+/// What a submitted request streams back.
+#[derive(Debug)]
+pub enum Event {
+    /// A committed token and the text it made safe to show.
+    Token {
+        /// Token id.
+        id: u32,
+        /// Text delta (may be empty).
+        text: String,
+        /// Log-probabilities, when asked for.
+        logprob: Option<TokenLogprob>,
+    },
+    /// The request ended; always the last event.
+    Done(Result<Generation, String>),
+}
+
+/// A refused request and when to try again.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{refusal}")]
+pub struct Rejected {
+    /// Why.
+    pub refusal: Refusal,
+    /// For [`Refusal::Busy`]: a suggested wait before retrying.
+    pub retry_after: Option<Duration>,
+}
+
+struct Job {
+    req: GenerationRequest,
+    events: tokio_mpsc::UnboundedSender<Event>,
+}
+
+/// The server's sink: a channel to the HTTP handler.
+struct ChannelSink {
+    events: tokio_mpsc::UnboundedSender<Event>,
+    outstanding: Arc<AtomicUsize>,
+    durations: Arc<Mutex<DurationEma>>,
+    started: Instant,
+}
+
+impl Sink for ChannelSink {
+    fn token(&mut self, ev: TokenEvent<'_>) -> Flow {
+        let sent = self.events.send(Event::Token {
+            id: ev.id,
+            text: ev.text.to_string(),
+            logprob: ev.logprob,
+        });
+        match sent {
+            Ok(()) => Flow::Continue,
+            Err(_) => Flow::Cancel,
+        }
+    }
+    fn done(&mut self, result: Result<Generation, String>) {
+        if let Err(e) = &result {
+            tracing::warn!("generation failed: {e}");
+        }
+        // The request leaves the queue before its client hears it is done.
+        self.outstanding.fetch_sub(1, Ordering::SeqCst);
+        self.durations
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .observe(self.started.elapsed());
+        let _ = self.events.send(Event::Done(result));
+    }
+    fn is_closed(&self) -> bool {
+        self.events.is_closed()
+    }
+}
+
+/// Mean request duration (EMA), for the retry delay of a refused request.
+#[derive(Debug, Default)]
+struct DurationEma(Option<f64>);
+
+impl DurationEma {
+    fn observe(&mut self, d: Duration) {
+        let s = d.as_secs_f64();
+        self.0 = Some(self.0.map_or(s, |m| 0.9 * m + 0.1 * s));
+    }
+}
+
+/// A handle to the engine's worker; cheap to clone.
+#[derive(Clone)]
+pub struct Engine {
+    jobs: mpsc::Sender<Job>,
+    slot: Arc<ProposerSlot>,
+    model: Arc<Model>,
+    tokenizer: Arc<Tokenizer>,
+    chat_template: Option<Arc<ChatTemplate>>,
+    limits: Limits,
+    outstanding: Arc<AtomicUsize>,
+    durations: Arc<Mutex<DurationEma>>,
+    counters: Arc<Counters>,
+    next_session: Arc<AtomicU64>,
+}
+
+impl Engine {
+    /// Starts the worker thread over `loaded`, drafting with `proposer` (if any).
+    ///
+    /// # Errors
+    /// Invalid `config` ([`EngineConfig::validate`]).
+    pub fn start(
+        loaded: LoadedModel,
+        proposer: Option<Box<dyn Proposer>>,
+        config: EngineConfig,
+    ) -> anyhow::Result<Engine> {
+        config.validate()?;
+        let model = Arc::new(loaded.model);
+        let tokenizer = Arc::new(loaded.tokenizer);
+        let slot = Arc::new(ProposerSlot::new(proposer));
+        let counters = Arc::new(Counters::default());
+        let limits = config.limits(model.context_len());
+        let (jobs, rx) = mpsc::channel::<Job>();
+        let outstanding = Arc::new(AtomicUsize::new(0));
+        let durations = Arc::new(Mutex::new(DurationEma::default()));
+        {
+            let (model, tokenizer, slot, counters) = (
+                model.clone(),
+                tokenizer.clone(),
+                slot.clone(),
+                counters.clone(),
+            );
+            let (outstanding, durations) = (outstanding.clone(), durations.clone());
+            thread::Builder::new()
+                .name("engine".into())
+                .spawn(move || {
+                    // The worker never refuses: `submit` bounds the queue before sending.
+                    let config = EngineConfig {
+                        max_waiting: usize::MAX,
+                        ..config
+                    };
+                    let mut core = Core::with_counters(&model, &tokenizer, &slot, config, counters);
+                    worker(&mut core, &rx, &outstanding, &durations);
+                })
+                .expect("invariant: the OS can spawn the engine thread");
+        }
+        Ok(Engine {
+            jobs,
+            slot,
+            model,
+            tokenizer,
+            chat_template: loaded.chat_template.map(Arc::new),
+            limits,
+            outstanding,
+            durations,
+            counters,
+            next_session: Arc::new(AtomicU64::new(1)),
+        })
+    }
+
+    /// Queues `req` and returns the stream of its events. The session id of `req` is replaced
+    /// by a fresh one. Dropping the receiver cancels the request.
+    ///
+    /// # Errors
+    /// [`Rejected`] when the waiting queue is full (with a retry delay) or the request can
+    /// never fit the KV pool.
+    pub fn submit(
+        &self,
+        mut req: GenerationRequest,
+    ) -> Result<tokio_mpsc::UnboundedReceiver<Event>, Rejected> {
+        let need = step::need(&req, self.model.context_len());
+        if need > self.limits.pool_tokens {
+            return Err(Rejected {
+                refusal: Refusal::TooLarge {
+                    need,
+                    pool: self.limits.pool_tokens,
+                },
+                retry_after: None,
+            });
+        }
+        let outstanding = self.outstanding.fetch_add(1, Ordering::SeqCst);
+        let running = self.counters.running.load(Ordering::Relaxed);
+        let waiting = outstanding.saturating_sub(running);
+        if outstanding >= self.limits.max_running && waiting >= self.limits.max_waiting {
+            self.outstanding.fetch_sub(1, Ordering::SeqCst);
+            self.counters.refused.fetch_add(1, Ordering::Relaxed);
+            return Err(Rejected {
+                refusal: Refusal::Busy { running, waiting },
+                retry_after: Some(self.retry_after(waiting)),
+            });
+        }
+        req.session = self.new_session();
+        let (events, rx) = tokio_mpsc::unbounded_channel();
+        if let Err(mpsc::SendError(job)) = self.jobs.send(Job { req, events }) {
+            self.outstanding.fetch_sub(1, Ordering::SeqCst);
+            let _ = job
+                .events
+                .send(Event::Done(Err("the engine has stopped".into())));
+        }
+        Ok(rx)
+    }
+
+    /// How long a refused client should wait: the queue ahead of it drained at the measured
+    /// request rate, at least a second.
+    fn retry_after(&self, waiting: usize) -> Duration {
+        let mean = self
+            .durations
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+            .unwrap_or(1.0);
+        let secs = (waiting as f64 + 1.0) * mean / self.limits.max_running as f64;
+        Duration::from_secs(secs.ceil().clamp(1.0, 120.0) as u64)
+    }
+
+    /// A fresh session id.
+    pub fn new_session(&self) -> SessionId {
+        self.next_session.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The drafter slot, for hot-swapping and inspection.
+    pub fn slot(&self) -> &Arc<ProposerSlot> {
+        &self.slot
+    }
+
+    /// The current drafter's health (`None` without a drafter).
+    pub fn drafter_health(&self) -> Option<Health> {
+        self.slot.health()
+    }
+
+    /// The target model.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// The target's tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The target's chat template, when it has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat_template.as_deref()
+    }
+
+    /// Requests waiting or running.
+    pub fn queue_depth(&self) -> usize {
+        self.outstanding.load(Ordering::SeqCst)
+    }
+
+    /// The engine's counters (running, waiting, pool, batch rows, chosen k, prefix cache).
+    pub fn counters(&self) -> EngineCounters {
+        self.counters.snapshot()
+    }
+}
+
+fn worker(
+    core: &mut Core<'_>,
+    jobs: &mpsc::Receiver<Job>,
+    outstanding: &Arc<AtomicUsize>,
+    durations: &Arc<Mutex<DurationEma>>,
+) {
+    loop {
+        // Block for work only when idle; otherwise take what arrived and step.
+        let first = match core.has_work() {
+            true => jobs.try_recv().ok(),
+            false => match jobs.recv() {
+                Ok(job) => Some(job),
+                Err(_) => return,
+            },
+        };
+        for job in first
+            .into_iter()
+            .chain(std::iter::from_fn(|| jobs.try_recv().ok()))
+        {
+            let sink = ChannelSink {
+                events: job.events,
+                outstanding: outstanding.clone(),
+                durations: durations.clone(),
+                started: Instant::now(),
+            };
+            if let Err(e) = core.admit(job.req, Box::new(sink)) {
+                // Unreachable with an unbounded worker queue; reported, never dropped.
+                tracing::error!("engine refused an admitted request: {e}");
+            }
+        }
+        if let Err(e) = core.step() {
+            tracing::error!("engine step failed: {e:#}");
+        }
+    }
+}
+
+impl EngineCounters {
+    /// Appends the counters to `out` in the Prometheus text format.
+    pub fn render(&self, out: &mut String) {
+        use std::fmt::Write;
+        let series: [(&str, &str, &str, f64); 14] = [
+            (
+                "specula_engine_running",
+                "gauge",
+                "Sequences running (decoding or prefilling).",
+                self.running as f64,
+            ),
+            (
+                "specula_engine_waiting",
+                "gauge",
+                "Requests waiting for a running slot.",
+                self.waiting as f64,
+            ),
+            (
+                "specula_kv_pool_capacity_tokens",
+                "gauge",
+                "KV pool capacity in positions.",
+                self.pool_capacity as f64,
+            ),
+            (
+                "specula_kv_pool_reserved_tokens",
+                "gauge",
+                "KV positions reserved by running sequences.",
+                self.pool_reserved as f64,
+            ),
+            (
+                "specula_kv_pool_used_tokens",
+                "gauge",
+                "KV positions holding K/V.",
+                self.pool_used as f64,
+            ),
+            (
+                "specula_engine_steps_total",
+                "counter",
+                "Engine steps (one target forward each).",
+                self.steps as f64,
+            ),
+            (
+                "specula_engine_batch_rows_total",
+                "counter",
+                "Target rows over all steps.",
+                self.batch_rows as f64,
+            ),
+            (
+                "specula_engine_last_batch_rows",
+                "gauge",
+                "Target rows of the last step.",
+                self.last_batch_rows as f64,
+            ),
+            (
+                "specula_engine_drafts_total",
+                "counter",
+                "Drafts verified (the controller's k, as drafted).",
+                self.drafts as f64,
+            ),
+            (
+                "specula_engine_decode_rows_total",
+                "counter",
+                "Sequence verifications over all steps.",
+                self.decode_rows as f64,
+            ),
+            (
+                "specula_engine_last_mean_k",
+                "gauge",
+                "Mean draft length over the sequences of the last step.",
+                self.last_mean_k,
+            ),
+            (
+                "specula_prefix_cache_lookups_total",
+                "counter",
+                "Prompts looked up in the prefix cache.",
+                self.prefix_lookups as f64,
+            ),
+            (
+                "specula_prefix_cache_hit_tokens_total",
+                "counter",
+                "Prompt positions served from the prefix cache.",
+                self.prefix_hit_tokens as f64,
+            ),
+            (
+                "specula_engine_refused_total",
+                "counter",
+                "Requests refused with 429 (queue full).",
+                self.refused as f64,
+            ),
+        ];
+        for (name, kind, help, v) in series {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
+            );
+        }
+    }
+}

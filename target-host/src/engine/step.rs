@@ -1,0 +1,614 @@
+//! [`Core`]: the sequences, their K/V, the drafter records and the controller, advanced one
+//! step at a time. The CLI runs a batch of one through it; the server's worker thread runs
+//! every request through it.
+//!
+//! One step:
+//! 1. admit waiting requests that fit; drop the ones whose consumer went away (their K/V is
+//!    freed at once);
+//! 2. plan: every running sequence contributes `[pending, d1..dk]` with its own k (0: a plain
+//!    decode row) chosen by the [`Controller`] (or fixed by the request); prefill chunks share
+//!    the rest of the token budget;
+//! 3. draft: one batched call to the proposer for every sequence with k > 0;
+//! 4. one target forward over all rows ([`Target::forward`]), logits only where verified;
+//! 5. per sequence: verify (greedy argmax or rejection sampling, [`crate::verify`]), roll the
+//!    K/V back to what was accepted, commit the tokens, tell the drafter (commit or advance,
+//!    with the taps of exactly the committed positions).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::{Tensor, D};
+use specula_models::tokenizer::Tokenizer;
+use specula_models::Model;
+use tracing::warn;
+
+use super::controller::{Acceptance, Candidate, Controller, CostTable};
+use super::drafting::Drafting;
+use super::scheduler::{Refusal, Scheduler};
+use super::sequence::{Sequence, Sink};
+use super::target::{self, Rows, RowsOut, Target};
+use super::{Counters, EngineConfig};
+use crate::generation::{FinishReason, GenerationRequest, Speculation};
+use crate::proposer::{Draft, DraftAsk, ProposerSlot, TapRows, Verdict};
+use crate::verify::{verify, verify_greedy};
+
+/// A running sequence and the engine's bookkeeping around it.
+struct Live<'a> {
+    seq: Sequence<'a>,
+    /// KV positions reserved at admission.
+    need: usize,
+    acceptance: Acceptance,
+    /// Taps of the prompt so far, for the drafter's `Open`.
+    prompt_taps: Option<TapRows>,
+    /// Why it failed, when it did.
+    error: Option<String>,
+}
+
+/// One sequence's part of the step being built.
+struct Part {
+    /// Index into `Core::live`.
+    at: usize,
+    kind: PartKind,
+}
+
+enum PartKind {
+    /// `[pending, drafts]`: `asked` drafts wanted, `draft` what came.
+    Decode { asked: usize, draft: Draft },
+    /// The next `chunk` uncomputed ids.
+    Prefill { chunk: usize },
+}
+
+/// The engine's state, advanced by [`Core::step`].
+pub struct Core<'a> {
+    tokenizer: &'a Tokenizer,
+    slot: &'a ProposerSlot,
+    config: EngineConfig,
+    target: Target<'a>,
+    sched: Scheduler<Sequence<'a>>,
+    live: Vec<Live<'a>>,
+    controller: Controller,
+    drafting: Drafting,
+    counters: Arc<Counters>,
+}
+
+impl<'a> Core<'a> {
+    /// An engine core over `model`, drafting through `slot`. Profiles the forward cost for the
+    /// controller first (a few short forwards) when `config.profile` is set.
+    pub fn new(
+        model: &'a Model,
+        tokenizer: &'a Tokenizer,
+        slot: &'a ProposerSlot,
+        config: EngineConfig,
+    ) -> Self {
+        Self::with_counters(model, tokenizer, slot, config, Arc::default())
+    }
+
+    /// As [`Core::new`], publishing into `counters`.
+    pub fn with_counters(
+        model: &'a Model,
+        tokenizer: &'a Tokenizer,
+        slot: &'a ProposerSlot,
+        config: EngineConfig,
+        counters: Arc<Counters>,
+    ) -> Self {
+        let points = match config.profile {
+            true => target::profile(model, 16).unwrap_or_else(|e| {
+                warn!("profiling the target failed ({e:#}); starting from a guessed cost table");
+                guessed_costs()
+            }),
+            false => guessed_costs(),
+        };
+        tracing::debug!(?points, "verify cost table (rows, ms)");
+        let limits = config.limits(model.context_len());
+        counters.set_limits(&limits);
+        Core {
+            tokenizer,
+            slot,
+            target: Target::new(model),
+            sched: Scheduler::new(limits),
+            live: Vec::new(),
+            controller: Controller::new(CostTable::new(points)),
+            drafting: Drafting::default(),
+            counters,
+            config,
+        }
+    }
+
+    /// Whether anything is waiting or running.
+    pub fn has_work(&self) -> bool {
+        !self.live.is_empty() || self.sched.waiting() > 0
+    }
+
+    /// Queues `req`, streaming to `sink`. An invalid request is reported to `sink` at once.
+    ///
+    /// # Errors
+    /// [`Refusal`] when the queue is full or the request can never fit the pool.
+    pub fn admit(
+        &mut self,
+        req: GenerationRequest,
+        sink: Box<dyn Sink + 'a>,
+    ) -> Result<(), Refusal> {
+        let context = self.target.model().context_len();
+        let invalid = check(&req, context);
+        let need = need(&req, context);
+        let seq = Sequence::new(req, sink, self.tokenizer);
+        if let Some(why) = invalid {
+            seq.report(Some(why));
+            return Ok(());
+        }
+        let out = self.sched.offer(seq, need);
+        self.publish();
+        out.map_err(|(seq, refusal)| {
+            seq.report(Some(refusal.to_string()));
+            refusal
+        })
+    }
+
+    /// Runs one step (see the module docs).
+    ///
+    /// # Errors
+    /// Only on a broken invariant; a failed forward fails the sequences in it, not the engine.
+    pub fn step(&mut self) -> anyhow::Result<()> {
+        self.reap();
+        self.admit_waiting();
+        let (swapped, proposer) = {
+            let mut cur = self.slot.lock();
+            (self.drafting.refresh(&mut cur), cur.is_some())
+        };
+        if swapped {
+            self.controller.reset_drafter();
+        }
+        let mut parts = self.plan(proposer);
+        self.resync_taps(&parts)?;
+        let draft_ms = self.draft(&mut parts);
+        if !parts.is_empty() {
+            self.run(parts, draft_ms);
+        }
+        self.reap();
+        self.publish();
+        Ok(())
+    }
+
+    fn admit_waiting(&mut self) {
+        for seq in self.sched.drop_waiting(Sequence::is_closed) {
+            seq.report(None);
+        }
+        for (seq, need) in self.sched.admit() {
+            self.target.create(seq.session());
+            self.live.push(Live {
+                seq,
+                need,
+                acceptance: Acceptance::default(),
+                prompt_taps: None,
+                error: None,
+            });
+        }
+    }
+
+    /// Chooses every sequence's rows for this step.
+    fn plan(&mut self, proposer: bool) -> Vec<Part> {
+        let context = self.target.model().context_len();
+        let limits = self.sched.limits();
+        let (mut decode, mut prefill) = (Vec::new(), Vec::new());
+        for (at, live) in self.live.iter().enumerate() {
+            match live.seq.is_running() {
+                true => decode.push(at),
+                false => prefill.push(at),
+            }
+        }
+        let wants: Vec<usize> = prefill
+            .iter()
+            .map(|&at| self.live[at].seq.uncomputed().len())
+            .collect();
+        // Per decode sequence: a fixed k, or a candidate for the controller.
+        let mut fixed = vec![0usize; decode.len()];
+        let mut cands = Vec::new();
+        let mut cand_of = Vec::new();
+        let mut room = limits.batch_tokens.saturating_sub(decode.len());
+        for (j, &at) in decode.iter().enumerate() {
+            let seq = &self.live[at].seq;
+            // A round commits drafts plus one target token: never draft past max_tokens or
+            // past the context.
+            let cap = seq
+                .budget()
+                .saturating_sub(1)
+                .min(context.saturating_sub(seq.context.len()));
+            let cap = if proposer && self.drafting.has(seq.session()) {
+                cap
+            } else {
+                0
+            };
+            match seq.req.speculation {
+                Speculation::Off => {}
+                Speculation::On { num_draft_tokens } => {
+                    fixed[j] = num_draft_tokens.min(cap).min(room);
+                    room -= fixed[j];
+                }
+                Speculation::Adaptive { max_draft_tokens } => {
+                    let alpha = self.live[at].acceptance.alpha(self.controller.prior());
+                    cands.push(Candidate {
+                        alpha,
+                        max: max_draft_tokens.min(cap),
+                    });
+                    cand_of.push(j);
+                }
+            }
+        }
+        let rows = decode.len()
+            + fixed.iter().sum::<usize>()
+            + self.sched.prefill_room(decode.len(), &wants);
+        let chosen = self.controller.allocate(rows, room, &cands);
+        let mut ks = fixed;
+        for (c, &j) in cand_of.iter().enumerate() {
+            ks[j] = chosen[c];
+        }
+        let plan = self.sched.plan(decode.len(), ks.iter().sum(), &wants);
+        debug_assert_eq!(plan.drafts, ks.iter().sum::<usize>(), "drafts fit the room");
+        let mut parts = Vec::with_capacity(decode.len() + prefill.len());
+        for (&at, &k) in decode.iter().zip(&ks) {
+            if k == 0 {
+                self.live[at].acceptance.idle();
+            }
+            parts.push(Part {
+                at,
+                kind: PartKind::Decode {
+                    asked: k,
+                    draft: Draft::default(),
+                },
+            });
+        }
+        for (&at, &chunk) in prefill.iter().zip(&plan.chunks) {
+            if chunk > 0 {
+                parts.push(Part {
+                    at,
+                    kind: PartKind::Prefill { chunk },
+                });
+            }
+        }
+        parts
+    }
+
+    /// Re-forwards the contexts of sessions about to draft on a drafter that lacks their taps
+    /// (after a hot swap), so their re-`Open` carries every position's taps.
+    fn resync_taps(&mut self, parts: &[Part]) -> anyhow::Result<()> {
+        let sessions: Vec<_> = parts
+            .iter()
+            .filter(|p| matches!(p.kind, PartKind::Decode { asked, .. } if asked > 0))
+            .map(|p| self.live[p.at].seq.session())
+            .collect();
+        let todo = {
+            let cur = self.slot.lock();
+            self.drafting.needs_reforward(&cur, &sessions)
+        };
+        for r in todo {
+            let Some(live) = self.live.iter().find(|l| l.seq.session() == r.session) else {
+                continue;
+            };
+            let ctx = &live.seq.context[..live.seq.context.len() - 1];
+            let taps = self.target.taps_of(ctx, self.drafting.wants())?;
+            self.drafting.resync(r.session, taps);
+        }
+        Ok(())
+    }
+
+    /// Asks the proposer for every decode part's drafts in one call; returns its time (ms).
+    fn draft(&mut self, parts: &mut [Part]) -> f64 {
+        let asks: Vec<DraftAsk> = parts
+            .iter()
+            .filter_map(|p| match p.kind {
+                PartKind::Decode { asked, .. } if asked > 0 => Some(DraftAsk {
+                    session: self.live[p.at].seq.session(),
+                    n: asked,
+                }),
+                _ => None,
+            })
+            .collect();
+        if asks.is_empty() {
+            return 0.0;
+        }
+        let planned: usize = parts.iter().map(|p| self.planned_rows(p)).sum();
+        let deadline = self.deadline(planned);
+        let vocab = self.target.model().config().vocab_size;
+        let started = Instant::now();
+        let drafts = {
+            let live = &self.live;
+            let mut cur = self.slot.lock();
+            self.drafting.draft(&mut cur, &asks, deadline, vocab, |s| {
+                live.iter()
+                    .find(|l| l.seq.session() == s)
+                    .map_or(&[][..], |l| &l.seq.context[..])
+            })
+        };
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        self.controller.observe_draft(ms);
+        let mut drafts = drafts.into_iter();
+        for p in parts.iter_mut() {
+            if let PartKind::Decode { asked, draft } = &mut p.kind {
+                if *asked > 0 {
+                    *draft = drafts.next().unwrap_or_default();
+                }
+            }
+        }
+        ms
+    }
+
+    /// How long the proposer may take: a few target steps of the size planned, within the
+    /// configured bounds.
+    fn deadline(&self, rows: usize) -> Duration {
+        let step = self.controller.cost.cost(rows);
+        let ms = (self.config.draft_deadline_steps * step).clamp(
+            MIN_DEADLINE_MS,
+            self.config.draft_deadline_cap.as_secs_f64() * 1e3,
+        );
+        Duration::from_secs_f64(ms / 1e3)
+    }
+
+    fn planned_rows(&self, p: &Part) -> usize {
+        match &p.kind {
+            PartKind::Decode { asked, .. } => 1 + asked,
+            PartKind::Prefill { chunk } => *chunk,
+        }
+    }
+
+    fn rows(&self, p: &Part) -> Rows {
+        let seq = &self.live[p.at].seq;
+        let taps = seq.req.speculation != Speculation::Off && !self.drafting.wants().is_empty();
+        match &p.kind {
+            PartKind::Decode { draft, .. } => {
+                let mut tokens = Vec::with_capacity(1 + draft.tokens.len());
+                tokens.push(seq.pending());
+                tokens.extend_from_slice(&draft.tokens);
+                Rows {
+                    session: seq.session(),
+                    logits: tokens.len(),
+                    tokens,
+                    taps,
+                }
+            }
+            PartKind::Prefill { chunk } => {
+                let left = seq.uncomputed();
+                Rows {
+                    session: seq.session(),
+                    tokens: left[..*chunk].to_vec(),
+                    logits: usize::from(*chunk == left.len()),
+                    taps,
+                }
+            }
+        }
+    }
+
+    /// The forward and everything after it.
+    fn run(&mut self, parts: Vec<Part>, draft_ms: f64) {
+        let work: Vec<Rows> = parts.iter().map(|p| self.rows(p)).collect();
+        let n_rows: usize = work.iter().map(|r| r.tokens.len()).sum();
+        let wants = self.drafting.wants().clone();
+        match self.target.forward(&work, &wants) {
+            Ok((outs, forward_ms)) => {
+                self.controller.cost.observe(n_rows, forward_ms);
+                let ks: Vec<usize> = parts
+                    .iter()
+                    .filter_map(|p| match &p.kind {
+                        PartKind::Decode { draft, .. } => Some(draft.tokens.len()),
+                        PartKind::Prefill { .. } => None,
+                    })
+                    .collect();
+                self.counters.step(n_rows, &ks);
+                for (part, out) in parts.into_iter().zip(outs) {
+                    let at = part.at;
+                    let live = &mut self.live[at];
+                    live.seq.stats.forward_ms += forward_ms;
+                    live.seq.stats.draft_ms += draft_ms;
+                    if let Err(e) = self.finish(part, out) {
+                        let live = &mut self.live[at];
+                        live.error = Some(format!("{e:#}"));
+                    }
+                }
+            }
+            Err(e) => {
+                warn!("target forward failed: {e:#}");
+                for part in &parts {
+                    let live = &mut self.live[part.at];
+                    // The failed forward appended nothing that stays.
+                    let _ = self.target.truncate(live.seq.session(), live.seq.computed);
+                    live.error = Some(format!("{e:#}"));
+                }
+            }
+        }
+    }
+
+    /// Verifies and commits one sequence's rows.
+    fn finish(&mut self, part: Part, out: RowsOut) -> anyhow::Result<()> {
+        let live = &mut self.live[part.at];
+        let session = live.seq.session();
+        match part.kind {
+            PartKind::Prefill { chunk } => {
+                live.seq.computed += chunk;
+                if let Some(t) = &out.taps {
+                    live.prompt_taps
+                        .get_or_insert_with(TapRows::default)
+                        .extend(t);
+                }
+                if out.logits.dim(0)? == 0 {
+                    return Ok(());
+                }
+                // The chunk ran the last prompt id: its row samples the first token.
+                let picked = Picked::fetch(&out.logits, choice(&live.seq.req))?;
+                let seq = &mut live.seq;
+                let next = match &picked {
+                    Picked::Rows(rows) => {
+                        verify(&mut seq.sampler, rows, &[], None, &mut seq.context).next
+                    }
+                    Picked::Argmax(ids) => verify_greedy(ids, &[]).next,
+                };
+                seq.commit(next, picked.row(0))?;
+                if seq.req.speculation != Speculation::Off && seq.finish().is_none() {
+                    let taps = live.prompt_taps.take();
+                    let mut cur = self.slot.lock();
+                    self.drafting
+                        .open(&mut cur, session, &seq.context, &seq.req.sampling, taps);
+                }
+            }
+            PartKind::Decode { asked, draft } => {
+                let seq = &mut live.seq;
+                let base = seq.computed;
+                let picked = Picked::fetch(&out.logits, choice(&seq.req))?;
+                let acceptance = match &picked {
+                    Picked::Rows(rows) => verify(
+                        &mut seq.sampler,
+                        rows,
+                        &draft.tokens,
+                        draft.q.as_deref(),
+                        &mut seq.context,
+                    ),
+                    Picked::Argmax(ids) => verify_greedy(ids, &draft.tokens),
+                };
+                let accepted = acceptance.accepted;
+                // Keep pending + accepted drafts; the correction/bonus becomes pending.
+                self.target.truncate(session, base + 1 + accepted)?;
+                seq.computed = base + 1 + accepted;
+                let mut committed = draft.tokens[..accepted].to_vec();
+                committed.push(acceptance.next);
+                seq.stats.target_forwards += 1;
+                if !draft.tokens.is_empty() {
+                    seq.stats.rounds += 1;
+                    seq.stats.drafted += draft.tokens.len();
+                    seq.stats.accepted += accepted;
+                }
+                live.acceptance.observe(asked, draft.tokens.len(), accepted);
+                self.controller
+                    .global
+                    .observe(asked, draft.tokens.len(), accepted);
+                if self.drafting.has(session) {
+                    let taps = out.taps.map(|t| t.head(accepted + 1));
+                    let mut cur = self.slot.lock();
+                    match draft.tokens.is_empty() {
+                        true => self
+                            .drafting
+                            .advance(&mut cur, session, &committed, taps.as_ref()),
+                        false => self.drafting.commit(
+                            &mut cur,
+                            session,
+                            &Verdict {
+                                drafted: draft.tokens.len(),
+                                accepted,
+                                committed: &committed,
+                                taps: taps.as_ref(),
+                            },
+                        ),
+                    }
+                }
+                for (i, &id) in committed.iter().enumerate() {
+                    seq.commit(id, picked.row(i))?;
+                    if seq.finish().is_some() {
+                        break;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes finished, failed and abandoned sequences, freeing their K/V at once.
+    fn reap(&mut self) {
+        let mut i = 0;
+        while i < self.live.len() {
+            let live = &mut self.live[i];
+            if live.seq.is_closed() {
+                live.seq.end(FinishReason::Cancelled);
+            }
+            if live.seq.finish().is_none() && live.error.is_none() {
+                i += 1;
+                continue;
+            }
+            let live = self.live.remove(i);
+            let session = live.seq.session();
+            {
+                let mut cur = self.slot.lock();
+                self.drafting.close(&mut cur, session);
+            }
+            self.target.release(session);
+            self.sched.release(live.need);
+            self.counters.finished();
+            live.seq.report(live.error);
+        }
+    }
+
+    fn publish(&self) {
+        self.counters.publish(
+            self.sched.running(),
+            self.sched.waiting(),
+            self.sched.reserved(),
+            self.target.used(),
+        );
+    }
+}
+
+/// The shortest draft deadline, whatever the step time.
+const MIN_DEADLINE_MS: f64 = 5.0;
+
+/// A cost table before anything is measured: verify rows priced like a CPU (the controller
+/// corrects it with every step).
+fn guessed_costs() -> Vec<(usize, f64)> {
+    vec![(1, 10.0), (2, 14.0), (4, 22.0), (8, 37.0), (16, 70.0)]
+}
+
+/// Why `req` cannot run at all, if it cannot.
+fn check(req: &GenerationRequest, context: usize) -> Option<String> {
+    if let Err(e) = req.sampling.validate() {
+        return Some(format!("{e:#}"));
+    }
+    let n = req.prompt_ids.len();
+    if n == 0 {
+        return Some("the prompt is empty".into());
+    }
+    (n >= context).then(|| {
+        format!("prompt of {n} tokens does not fit the model's context of {context} tokens")
+    })
+}
+
+/// KV positions `req` may use at most.
+pub(super) fn need(req: &GenerationRequest, context: usize) -> usize {
+    (req.prompt_ids.len() + req.max_tokens).min(context)
+}
+
+/// What verification needs from a sequence's logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Choice {
+    /// Every row, on the host: sampling, penalties and logprobs look at whole rows.
+    Rows,
+    /// Plain greedy: only each row's argmax, taken on the device (one `u32` per row copied
+    /// back instead of a vocabulary of floats).
+    Argmax,
+}
+
+fn choice(req: &GenerationRequest) -> Choice {
+    let s = &req.sampling;
+    match s.is_greedy() && s.repetition_penalty == 1.0 && req.logprobs.is_none() {
+        true => Choice::Argmax,
+        false => Choice::Rows,
+    }
+}
+
+/// A sequence's logits brought to the host as [`Choice`] asked.
+enum Picked {
+    Rows(Vec<Vec<f32>>),
+    Argmax(Vec<u32>),
+}
+
+impl Picked {
+    fn fetch(logits: &Tensor, choice: Choice) -> anyhow::Result<Self> {
+        Ok(match choice {
+            Choice::Rows => Picked::Rows(logits.to_vec2()?),
+            // Like sampling::argmax, candle keeps the lowest index of tied maxima.
+            Choice::Argmax => Picked::Argmax(logits.argmax(D::Minus1)?.to_vec1()?),
+        })
+    }
+
+    /// Row `i`'s logits, when they were copied.
+    fn row(&self, i: usize) -> Option<&[f32]> {
+        match self {
+            Picked::Rows(rows) => rows.get(i).map(Vec::as_slice),
+            Picked::Argmax(_) => None,
+        }
+    }
+}
