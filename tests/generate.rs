@@ -72,7 +72,7 @@ fn greedy_output_is_independent_of_the_drafter() {
             assert_eq!(bad.text, plain.text);
             let oracle = run(
                 &loaded,
-                Some(Box::new(ScriptProposer::new(plain.token_ids.clone()))),
+                Some(Box::new(ScriptProposer::new(&prompt, &plain.token_ids))),
                 &request(&prompt, 40, SamplingParams::default(), k),
             );
             assert_eq!(oracle.token_ids, plain.token_ids, "{arch} k={k}: oracle");
@@ -107,7 +107,7 @@ fn max_tokens_and_eos_inside_an_accepted_run() {
         assert!(plain.token_ids.len() <= max);
         let oracle = run(
             &loaded,
-            Some(Box::new(ScriptProposer::new(plain.token_ids.clone()))),
+            Some(Box::new(ScriptProposer::new(&prompt, &plain.token_ids))),
             &request(&prompt, max, SamplingParams::default(), 6),
         );
         assert_eq!(oracle.token_ids, plain.token_ids, "max_tokens {max}");

@@ -98,17 +98,16 @@ impl Proposer for BadProposer {
 /// Proposes exactly the given continuation of the prompt (an oracle): accepted in full when it
 /// is the target's own greedy output.
 pub struct ScriptProposer {
-    script: Vec<u32>,
-    prompt_len: usize,
+    /// Prompt followed by the continuation.
+    full: Vec<u32>,
     context: Vec<u32>,
 }
 
 impl ScriptProposer {
-    /// Proposes `script` as the continuation.
-    pub fn new(script: Vec<u32>) -> Self {
+    /// Proposes `script` as the continuation of `prompt`.
+    pub fn new(prompt: &[u32], script: &[u32]) -> Self {
         ScriptProposer {
-            script,
-            prompt_len: 0,
+            full: prompt.iter().chain(script).copied().collect(),
             context: Vec::new(),
         }
     }
@@ -121,14 +120,13 @@ impl Proposer for ScriptProposer {
     fn wants(&self) -> Wants {
         Wants::default()
     }
-    fn open(&mut self, _: SessionId, prompt: &[u32], _: &SamplingParams, _: Option<&TapRows>) {
-        self.prompt_len = prompt.len();
-        self.context = prompt.to_vec();
+    fn open(&mut self, _: SessionId, context: &[u32], _: &SamplingParams, _: Option<&TapRows>) {
+        self.context = context.to_vec();
     }
     fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
-        let done = self.context.len() - self.prompt_len;
+        let done = self.context.len();
         let draft = |n: usize| Draft {
-            tokens: self.script.iter().skip(done).take(n).copied().collect(),
+            tokens: self.full.iter().skip(done).take(n).copied().collect(),
             q: None,
             confidence: None,
         };

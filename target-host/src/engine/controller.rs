@@ -36,57 +36,105 @@ const PRIOR_WEIGHT: f64 = 2.0;
 const IDLE_FADE: f64 = 0.97;
 
 /// Forward time as a function of the rows in the forward.
+///
+/// Buckets keep the shape they were profiled (or guessed) with until a step of their size is
+/// measured; a scale learned from every measurement carries the buckets not measured yet, so
+/// a table profiled on an idle machine (or guessed) follows the real one.
 #[derive(Debug, Clone)]
 pub struct CostTable {
-    /// `(rows, ms)` per bucket (rows ascending, powers of two).
-    buckets: Vec<(usize, f64)>,
+    /// Rows ascending.
+    buckets: Vec<Bucket>,
+    /// Measured over shape-predicted time (EMA); `None` before any measurement.
+    scale: Option<f64>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    rows: usize,
+    /// The profiled (or guessed) time.
+    shape: f64,
+    /// The measured time (EMA), once a step of this size ran.
+    measured: Option<f64>,
+}
+
+/// Piecewise-linear interpolation over `(rows, ms)` points, linear past the ends, never
+/// decreasing in `rows`.
+fn interpolate(points: &[(usize, f64)], rows: usize) -> f64 {
+    let rows = rows.max(1);
+    let i = points.partition_point(|&(r, _)| r < rows);
+    let raw = if i == 0 {
+        points[0].1 * rows as f64 / points[0].0 as f64
+    } else if i == points.len() {
+        let (r, c) = points[points.len() - 1];
+        c * rows as f64 / r as f64
+    } else {
+        let ((r0, c0), (r1, c1)) = (points[i - 1], points[i]);
+        c0 + (rows - r0) as f64 / (r1 - r0) as f64 * (c1 - c0)
+    };
+    let floor = points[..i].iter().map(|p| p.1).fold(0.0, f64::max);
+    raw.max(floor)
 }
 
 impl CostTable {
     /// A table from measured `(rows, ms)` points (at least one).
     pub fn new(mut points: Vec<(usize, f64)>) -> Self {
+        points.retain(|p| p.0 > 0 && p.1.is_finite() && p.1 > 0.0);
         points.sort_by_key(|p| p.0);
         points.dedup_by_key(|p| p.0);
         assert!(!points.is_empty(), "invariant: the cost table has a point");
-        CostTable { buckets: points }
+        CostTable {
+            buckets: points
+                .into_iter()
+                .map(|(rows, shape)| Bucket {
+                    rows,
+                    shape,
+                    measured: None,
+                })
+                .collect(),
+            scale: None,
+        }
+    }
+
+    fn shape(&self, rows: usize) -> f64 {
+        let points: Vec<(usize, f64)> = self.buckets.iter().map(|b| (b.rows, b.shape)).collect();
+        interpolate(&points, rows)
     }
 
     /// Estimated milliseconds of a forward of `rows` rows (non-decreasing in `rows`).
     pub fn cost(&self, rows: usize) -> f64 {
-        let b = &self.buckets;
-        let rows = rows.max(1);
-        let i = b.partition_point(|&(r, _)| r < rows);
-        let raw = if i == 0 {
-            b[0].1 * rows as f64 / b[0].0 as f64
-        } else if i == b.len() {
-            // Past the last bucket: linear in rows from the last point.
-            let (r, c) = b[b.len() - 1];
-            c * rows as f64 / r as f64
-        } else {
-            let ((r0, c0), (r1, c1)) = (b[i - 1], b[i]);
-            let t = (rows - r0) as f64 / (r1 - r0) as f64;
-            c0 + t * (c1 - c0)
-        };
-        // Monotone: more rows never cost less than fewer.
-        let floor = b[..i].iter().map(|p| p.1).fold(0.0, f64::max);
-        raw.max(floor)
+        let scale = self.scale.unwrap_or(1.0);
+        let points: Vec<(usize, f64)> = self
+            .buckets
+            .iter()
+            .map(|b| (b.rows, b.measured.unwrap_or(b.shape * scale)))
+            .collect();
+        interpolate(&points, rows)
     }
 
-    /// Folds a measured step (`rows`, `ms`) into its bucket (EMA); new sizes add a bucket.
+    /// Folds a measured step (`rows`, `ms`) into the table.
     pub fn observe(&mut self, rows: usize, ms: f64) {
         if rows == 0 || !ms.is_finite() || ms <= 0.0 {
             return;
         }
+        let ratio = ms / self.shape(rows).max(1e-9);
+        self.scale = Some(self.scale.map_or(ratio, |s| 0.8 * s + 0.2 * ratio));
         let bucket = rows.next_power_of_two();
-        // Scale the sample to the bucket's size, assuming cost linear between neighbours.
-        let scaled = ms * self.cost(bucket) / self.cost(rows).max(1e-9);
-        match self.buckets.iter_mut().find(|p| p.0 == bucket) {
-            Some(p) => p.1 = 0.8 * p.1 + 0.2 * scaled,
-            None => {
-                self.buckets.push((bucket, scaled));
-                self.buckets.sort_by_key(|p| p.0);
-            }
+        // The sample scaled to the bucket's size along the shape.
+        let scaled = ms * self.shape(bucket) / self.shape(rows).max(1e-9);
+        let i = self.buckets.partition_point(|b| b.rows < bucket);
+        if self.buckets.get(i).is_none_or(|b| b.rows != bucket) {
+            let shape = self.shape(bucket);
+            self.buckets.insert(
+                i,
+                Bucket {
+                    rows: bucket,
+                    shape,
+                    measured: None,
+                },
+            );
         }
+        let b = &mut self.buckets[i];
+        b.measured = Some(b.measured.map_or(scaled, |m| 0.8 * m + 0.2 * scaled));
     }
 }
 
@@ -246,7 +294,16 @@ mod tests {
         }
         let mut t = cpu();
         t.observe(8, 57.0);
-        assert!((t.cost(8) - 41.0).abs() < 1e-9, "EMA moves 20% toward 57");
+        assert!((t.cost(8) - 57.0).abs() < 1e-9, "the first measurement replaces the guess");
+        t.observe(8, 37.0);
+        assert!((t.cost(8) - 53.0).abs() < 1e-9, "then an EMA moves 20% toward 37");
+        // A machine 4x faster than profiled: unmeasured sizes follow.
+        let mut t = cpu();
+        for _ in 0..40 {
+            t.observe(1, 2.5);
+        }
+        assert!((t.cost(1) - 2.5).abs() < 0.1);
+        assert!((t.cost(16) - 70.0 / 4.0).abs() < 1.0, "{}", t.cost(16));
     }
 
     #[test]

@@ -190,8 +190,13 @@ impl<'a> Core<'a> {
         let context = self.target.model().context_len();
         let limits = self.sched.limits();
         let (mut decode, mut prefill) = (Vec::new(), Vec::new());
-        for (at, live) in self.live.iter().enumerate() {
+        for (at, live) in self.live.iter_mut().enumerate() {
+            if live.seq.finish().is_some() || live.error.is_some() {
+                continue;
+            }
             match live.seq.is_running() {
+                // No position left for the pending row: the context is full.
+                true if live.seq.computed >= context => live.seq.end(FinishReason::Length),
                 true => decode.push(at),
                 false => prefill.push(at),
             }

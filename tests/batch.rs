@@ -1,0 +1,406 @@
+//! The law through the scheduler: the greedy output of every request in a batch equals its solo
+//! plain (`--no-speculation`) output, whatever else runs beside it, however its prompt is
+//! chunked, and whatever the drafter does — on tiny random models with in-process drafters and
+//! on the real SmolLM2 with the ngram, two-model and chaos drafter processes. Plus admission:
+//! a bounded queue (429 with a retry delay), and a cancelled request freeing its K/V at once.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use specula_models::loader::{load, LoadOptions, LoadedModel};
+use specula_models::sampling::SamplingParams;
+use specula_models::tokenizer::Special;
+use specula_models::WeightDType;
+use specula_tests::proposers::BadProposer;
+use specula_tests::tiny::tiny_loaded;
+use specula_tests::{bin_path, model_path};
+use target_host::drafter::{ClientConfig, DrafterClient, DrafterSpec};
+use target_host::drafter_args::target_info;
+use target_host::engine::{Core, Engine, EngineConfig, Event, Refusal, Sink};
+use target_host::generation::{
+    generate, Flow, Generation, GenerationRequest, Speculation, TokenEvent,
+};
+use target_host::proposer::{Draft, DraftBatch, Proposer, ProposerSlot, TapRows, Verdict, Wants};
+
+type Results = Arc<Mutex<Vec<Option<Result<Generation, String>>>>>;
+
+/// Keeps a sequence's result in slot `i`.
+struct Keep {
+    results: Results,
+    i: usize,
+}
+
+impl Sink for Keep {
+    fn token(&mut self, _: TokenEvent<'_>) -> Flow {
+        Flow::Continue
+    }
+    fn done(&mut self, result: Result<Generation, String>) {
+        self.results.lock().unwrap()[self.i] = Some(result);
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+fn request(
+    session: u64,
+    prompt: &[u32],
+    max_tokens: usize,
+    speculation: Speculation,
+) -> GenerationRequest {
+    GenerationRequest {
+        session,
+        prompt_ids: prompt.to_vec(),
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop: vec![],
+        speculation,
+        logprobs: None,
+    }
+}
+
+/// Runs every request of `reqs` at once through one core.
+fn batch(
+    loaded: &LoadedModel,
+    proposer: Option<Box<dyn Proposer>>,
+    config: EngineConfig,
+    reqs: &[GenerationRequest],
+) -> Vec<Generation> {
+    let slot = ProposerSlot::new(proposer);
+    let results: Results = Arc::new(Mutex::new(vec![None; reqs.len()]));
+    let mut core = Core::new(&loaded.model, &loaded.tokenizer, &slot, config);
+    for (i, req) in reqs.iter().enumerate() {
+        let sink = Keep {
+            results: results.clone(),
+            i,
+        };
+        core.admit(req.clone(), Box::new(sink)).expect("admitted");
+    }
+    let mut steps = 0;
+    while core.has_work() {
+        core.step().expect("step");
+        steps += 1;
+        assert!(steps < 100_000, "the batch does not finish");
+    }
+    drop(core);
+    let results = results.lock().unwrap();
+    results
+        .iter()
+        .map(|r| r.clone().expect("reported").expect("generated"))
+        .collect()
+}
+
+fn solo_plain(loaded: &LoadedModel, req: &GenerationRequest) -> Vec<u32> {
+    let req = GenerationRequest {
+        speculation: Speculation::Off,
+        ..req.clone()
+    };
+    let slot = ProposerSlot::new(None);
+    generate(
+        &loaded.model,
+        &loaded.tokenizer,
+        &slot,
+        &EngineConfig::default(),
+        &req,
+        &mut |_| Flow::Continue,
+    )
+    .expect("solo generate")
+    .token_ids
+}
+
+/// A small step budget and few running slots: prompts are chunked, requests wait, join and
+/// leave mid-batch.
+fn tight() -> EngineConfig {
+    EngineConfig {
+        max_running: 3,
+        max_batch_tokens: 7,
+        profile: false,
+        ..EngineConfig::default()
+    }
+}
+
+#[test]
+fn batched_greedy_equals_solo_plain_on_tiny_models() {
+    for arch in ["llama", "qwen2"] {
+        let (_dir, loaded) = tiny_loaded(arch, 5);
+        let vocab = loaded.model.config().vocab_size;
+        let prompts: Vec<Vec<u32>> = (0..6u32)
+            .map(|i| {
+                (0..(1 + 7 * i))
+                    .map(|j| 3 + (i * 13 + j * 5) % 60)
+                    .collect()
+            })
+            .collect();
+        let specs = [
+            Speculation::Off,
+            Speculation::On {
+                num_draft_tokens: 3,
+            },
+            Speculation::Adaptive {
+                max_draft_tokens: 5,
+            },
+        ];
+        let reqs: Vec<GenerationRequest> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| request(i as u64 + 1, p, 6 + 5 * i, specs[i % 3]))
+            .collect();
+        let solo: Vec<Vec<u32>> = reqs.iter().map(|r| solo_plain(&loaded, r)).collect();
+        for config in [
+            tight(),
+            EngineConfig {
+                profile: false,
+                ..EngineConfig::default()
+            },
+        ] {
+            let bad = Box::new(BadProposer::new(vocab, false, 3));
+            let got = batch(&loaded, Some(bad), config.clone(), &reqs);
+            for (i, g) in got.iter().enumerate() {
+                assert_eq!(
+                    g.token_ids, solo[i],
+                    "{arch} request {i} with a bad drafter, {config:?}"
+                );
+            }
+            let got = batch(&loaded, None, config.clone(), &reqs);
+            for (i, g) in got.iter().enumerate() {
+                assert_eq!(g.token_ids, solo[i], "{arch} request {i} without a drafter");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_fixed_k_drafts_every_round_beside_a_controlled_sequence() {
+    let (_dir, loaded) = tiny_loaded("llama", 7);
+    let vocab = loaded.model.config().vocab_size;
+    let prompt = [5, 6, 7, 8];
+    let fixed = request(
+        1,
+        &prompt,
+        30,
+        Speculation::On {
+            num_draft_tokens: 4,
+        },
+    );
+    let adaptive = request(
+        2,
+        &prompt,
+        30,
+        Speculation::Adaptive {
+            max_draft_tokens: 4,
+        },
+    );
+    let config = EngineConfig {
+        profile: false,
+        ..EngineConfig::default()
+    };
+    let bad = Box::new(BadProposer::new(vocab, false, 1));
+    let got = batch(&loaded, Some(bad), config, &[fixed, adaptive]);
+    let f = &got[0].stats;
+    assert_eq!(
+        got[0].token_ids, got[1].token_ids,
+        "same prompt, same output"
+    );
+    // Fixed k: every round drafts 4, but the last ones (max_tokens caps the tail).
+    assert!(f.drafted >= 4 * (f.target_forwards - 4), "{f:?}");
+    assert_eq!(f.accepted, 0, "the bad drafter is never right");
+}
+
+/// A proposer whose drafts wait until the test opens the gate: holds the engine inside a step.
+struct Gate {
+    entered: Arc<AtomicBool>,
+    open: Arc<AtomicBool>,
+}
+
+impl Proposer for Gate {
+    fn name(&self) -> &str {
+        "gate"
+    }
+    fn wants(&self) -> Wants {
+        Wants::default()
+    }
+    fn open(&mut self, _: u64, _: &[u32], _: &SamplingParams, _: Option<&TapRows>) {}
+    fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
+        self.entered.store(true, Ordering::SeqCst);
+        while !self.open.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        vec![Draft::default(); batch.asks.len()]
+    }
+    fn commit(&mut self, _: u64, _: &Verdict<'_>) {}
+    fn advance(&mut self, _: u64, _: &[u32], _: Option<&TapRows>) {}
+    fn close(&mut self, _: u64) {}
+}
+
+/// The server's engine: a full queue refuses with a retry delay; a request that can never fit
+/// the pool is refused outright; dropping a receiver frees its K/V before the next step.
+#[test]
+fn admission_is_bounded_and_cancellation_frees_the_pool() {
+    let (_dir, loaded) = tiny_loaded("llama", 2);
+    let config = EngineConfig {
+        max_running: 1,
+        max_waiting: 2,
+        max_batch_tokens: 16,
+        kv_pool_tokens: 60,
+        profile: false,
+        ..EngineConfig::default()
+    };
+    let (entered, open) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let gate = Gate {
+        entered: entered.clone(),
+        open: open.clone(),
+    };
+    let engine = Engine::start(loaded, Some(Box::new(gate)), config).expect("engine");
+    let spec = Speculation::On {
+        num_draft_tokens: 2,
+    };
+    let long = request(0, &[5, 6, 7], 40, spec);
+    // 10 + 300 positions, capped at the context (64): more than the pool of 60.
+    match engine.submit(request(0, &[5; 10], 300, spec)) {
+        Err(r) => assert!(matches!(r.refusal, Refusal::TooLarge { .. }), "{r}"),
+        Ok(_) => panic!("a request larger than the pool was queued"),
+    }
+    let first = engine.submit(long.clone()).expect("runs");
+    let until = Instant::now() + Duration::from_secs(30);
+    while !entered.load(Ordering::SeqCst) {
+        assert!(Instant::now() < until, "the first request never drafted");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let queued: Vec<_> = (0..2)
+        .map(|_| engine.submit(long.clone()).expect("waits"))
+        .collect();
+    let refused = engine.submit(long.clone()).expect_err("the queue is full");
+    assert!(matches!(refused.refusal, Refusal::Busy { .. }), "{refused}");
+    assert!(refused
+        .retry_after
+        .is_some_and(|d| d >= Duration::from_secs(1)));
+    assert_eq!(engine.counters().refused, 1);
+    assert_eq!(
+        engine.counters().pool_reserved,
+        43,
+        "the running request's worst case"
+    );
+    // Cancel everything: the pool empties, nothing is left running.
+    drop(first);
+    drop(queued);
+    open.store(true, Ordering::SeqCst);
+    loop {
+        let c = engine.counters();
+        if c.running == 0 && c.waiting == 0 && c.pool_reserved == 0 && engine.queue_depth() == 0 {
+            assert_eq!(c.pool_used, 0);
+            break;
+        }
+        assert!(Instant::now() < until, "not freed: {c:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // And the engine still serves.
+    let mut rx = engine
+        .submit(request(0, &[5, 6], 4, Speculation::Off))
+        .expect("accepted again");
+    let mut done = None;
+    while let Some(ev) = rx.blocking_recv() {
+        if let Event::Done(r) = ev {
+            done = Some(r);
+        }
+    }
+    let g = done.expect("done").expect("ok");
+    assert!(!g.token_ids.is_empty() && g.token_ids.len() <= 4);
+}
+
+fn smollm_f32() -> LoadedModel {
+    let path = model_path("smollm2-135m");
+    let opts = LoadOptions {
+        dtype: WeightDType::F32,
+        ..LoadOptions::default()
+    };
+    load(&path, &opts).expect("load SmolLM2")
+}
+
+const CHATS: [&str; 4] = [
+    "List the days of the week, then the months of the year.",
+    "Write a python function that reverses a list.",
+    "What is the capital of France? Answer in one sentence.",
+    "Count from one to twenty in words.",
+];
+
+fn drafter(loaded: &LoadedModel, bin: &str, args: &[&str]) -> Box<dyn Proposer> {
+    let spec = DrafterSpec::new(bin_path(bin)).with_args(args.iter().copied());
+    let config = ClientConfig {
+        draft_deadline: Duration::from_secs(5),
+        ..ClientConfig::default()
+    };
+    let target = target_info(&loaded.model, &loaded.tokenizer);
+    Box::new(DrafterClient::start(spec, target, config).expect("drafter starts"))
+}
+
+#[test]
+fn batched_greedy_equals_solo_plain_on_smollm2_with_real_drafters() {
+    let loaded = smollm_f32();
+    let template = loaded.chat_template.as_ref().expect("chat template");
+    let reqs: Vec<GenerationRequest> = CHATS
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            let msg = [specula_models::chat::ChatMessage::new("user", *text)];
+            let rendered = template
+                .render(&msg, specula_models::chat::GenerationPrompt::Add)
+                .expect("render");
+            let ids = loaded
+                .tokenizer
+                .encode(&rendered, Special::Parse)
+                .expect("encode");
+            let spec = match i % 2 {
+                0 => Speculation::On {
+                    num_draft_tokens: 4,
+                },
+                _ => Speculation::Adaptive {
+                    max_draft_tokens: 4,
+                },
+            };
+            request(i as u64 + 1, &ids, 24, spec)
+        })
+        .collect();
+    let solo: Vec<Vec<u32>> = reqs.iter().map(|r| solo_plain(&loaded, r)).collect();
+    let path = model_path("smollm2-135m");
+    let path = path.to_str().expect("utf-8 path");
+    let config = EngineConfig {
+        max_running: 3,
+        max_batch_tokens: 24,
+        profile: false,
+        // Debug builds draft slowly: the law holds at any deadline, this one lets drafts land.
+        draft_deadline_steps: 1000.0,
+        draft_deadline_cap: Duration::from_secs(5),
+        ..EngineConfig::default()
+    };
+    let drafters: [(&str, Vec<&str>); 3] = [
+        ("ngram", vec![]),
+        ("chaos-drafter", vec!["--mode", "random-ids"]),
+        ("two-model", vec!["--model", path, "--dtype", "f32"]),
+    ];
+    for (bin, args) in drafters {
+        let got = batch(
+            &loaded,
+            Some(drafter(&loaded, bin, &args)),
+            config.clone(),
+            &reqs,
+        );
+        for (i, g) in got.iter().enumerate() {
+            assert_eq!(
+                g.token_ids, solo[i],
+                "{bin}: request {i} changed in the batch"
+            );
+        }
+        if bin == "two-model" {
+            let drafted: usize = got.iter().map(|g| g.stats.drafted).sum();
+            let accepted: usize = got.iter().map(|g| g.stats.accepted).sum();
+            assert!(
+                accepted * 2 > drafted,
+                "self-drafting is mostly accepted: {accepted}/{drafted}"
+            );
+        }
+    }
+}
