@@ -12,7 +12,7 @@ use ipc_channel::TryRecvError;
 use specula_models::sampling::SamplingParams;
 use specula_protocol::shm::{KvView, ShmWriter, TapViews};
 use specula_protocol::wire::{
-    Capabilities, Close, Commit, Draft as DraftRequest, DraftRow, DrafterMsg, Open, Reply, Request,
+    Capabilities, Close, Commit, Draft as DraftRequest, DraftRow, DrafterMsg, Open, Request,
     SamplingSpec, TargetInfo,
 };
 use tracing::{debug, warn};
@@ -287,12 +287,10 @@ impl Proposer for DrafterClient {
                 return Draft::default();
             };
             match conn.rx.try_recv_timeout(left) {
-                Ok(DrafterMsg::Reply {
-                    seq: got,
-                    reply: Reply::Drafted(drafted),
-                }) if got == seq => {
+                Ok(DrafterMsg::Reply { seq: got, reply }) if got == seq => {
                     self.record_rtt(sent_at);
-                    return match validate(drafted, session, n, self.target.vocab_size) {
+                    let proposed = reply.into_proposed();
+                    return match validate(proposed, session, n, self.target.vocab_size) {
                         Ok(draft) => {
                             self.bad_in_row = 0;
                             self.stats.drafted += draft.tokens.len() as u64;
@@ -308,6 +306,11 @@ impl Proposer for DrafterClient {
                 Ok(DrafterMsg::Goodbye { reason }) => {
                     self.sup
                         .restart(&format!("the drafter said goodbye: {reason}"));
+                    return Draft::default();
+                }
+                Ok(DrafterMsg::Capabilities(_)) => {
+                    self.sup
+                        .restart("the drafter sent capabilities after the handshake");
                     return Draft::default();
                 }
                 Err(TryRecvError::Empty) => {

@@ -35,14 +35,15 @@ impl<D: Drafter> InProcess<D> {
     }
 }
 
-fn taps(rows: &TapRows) -> Taps {
-    Taps {
-        pos: rows.pos as u64,
-        rows: rows.rows as u32,
-        layers: rows.layers.clone(),
-        final_hidden: rows.final_hidden.clone(),
-        kv: rows.kv.clone(),
-    }
+/// Borrows the host's tap rows as SDK views (no copy).
+fn taps(rows: &TapRows) -> Taps<'_> {
+    Taps::from_f32(
+        rows.pos as u64,
+        rows.rows as u32,
+        &rows.layers,
+        rows.final_hidden.as_deref(),
+        &rows.kv,
+    )
 }
 
 impl<D: Drafter + Send> Proposer for InProcess<D> {
@@ -73,10 +74,7 @@ impl<D: Drafter + Send> Proposer for InProcess<D> {
     fn draft(&mut self, session: SessionId, new_tokens: &[u32], n: usize) -> Draft {
         let n = n.min(self.max_draft_len);
         let mut p = self.drafter.draft(session, new_tokens, n);
-        p.tokens.truncate(n);
-        if let Some(q) = &mut p.q {
-            q.truncate(p.tokens.len());
-        }
+        p.truncate(n);
         Draft {
             tokens: p.tokens,
             q: p.q,
