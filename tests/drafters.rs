@@ -28,6 +28,7 @@ fn target() -> TargetInfo {
         eos_ids: vec![0],
         weights_path: String::new(),
         context_len: 4096,
+        ..TargetInfo::default()
     }
 }
 
@@ -126,7 +127,10 @@ fn wrong_major_is_refused_naming_both_versions() {
         matches!(err, DrafterError::VersionMismatch { .. }),
         "{text}"
     );
-    assert!(text.contains("2.0") && text.contains("1.0"), "{text}");
+    assert!(
+        text.contains("2.0") && text.contains(&specula_protocol::PROTOCOL_VERSION.to_string()),
+        "{text}"
+    );
 }
 
 #[test]
@@ -349,6 +353,49 @@ fn taps_reach_the_drafter_bit_for_bit_through_shared_memory() {
     draft(&mut c, 3, 1);
     let got = std::fs::read_to_string(&out).unwrap();
     assert_eq!(got.lines().collect::<Vec<_>>(), expect);
+}
+
+#[test]
+fn late_capabilities_replace_the_hellos_and_taps_follow_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("taps.log");
+    let mut c = chaos("late-caps", &["--out", out.to_str().unwrap()], config()).unwrap();
+    let wants = c.wants();
+    // The Hello asked for nothing; the late capabilities ask for the last of the 4 layers.
+    assert_eq!(
+        (wants.tap_layers, wants.final_hidden, wants.kv_layers),
+        (vec![3], true, vec![])
+    );
+    let rows = |pos, n| TapRows {
+        pos,
+        rows: n,
+        layers: vec![(0..n * 8).map(|i| i as f32).collect()],
+        final_hidden: Some((0..n * 8).map(|i| -(i as f32)).collect()),
+        kv: vec![],
+    };
+    c.open(1, &[1, 2, 3], &greedy(), Some(&rows(0, 2)));
+    draft(&mut c, 1, 2);
+    let got = std::fs::read_to_string(&out).unwrap();
+    assert!(
+        got.starts_with("open 1 2 "),
+        "a region was mapped for the late taps: {got}"
+    );
+}
+
+#[test]
+fn late_capabilities_are_checked_and_waited_for_within_the_handshake() {
+    let err = chaos("late-caps-bad", &[], config()).unwrap_err();
+    assert!(matches!(err, DrafterError::BadCapabilities { .. }), "{err}");
+    assert!(err.to_string().contains("layer 4"), "{err}");
+    let quick = ClientConfig {
+        handshake_timeout: Duration::from_millis(500),
+        ..config()
+    };
+    let err = chaos("late-caps-silent", &[], quick).unwrap_err();
+    assert!(
+        matches!(err, DrafterError::HandshakeTimeout { .. }),
+        "{err}"
+    );
 }
 
 fn dev_shm() -> Vec<String> {

@@ -32,20 +32,16 @@
 //! fn main() -> std::process::ExitCode { sdk::serve(Repeat(Default::default())) }
 //! ```
 
-use std::collections::{HashMap, HashSet};
+mod server;
+
 use std::process::ExitCode;
 
-use ipc_channel::ipc::IpcReceiver;
-use ipc_channel::IpcError;
-use tracing::{debug, warn};
-
-use crate::error::{Error, Result};
-use crate::shm::{RegionId, ShmReader, TapViews, TensorView};
+use crate::error::Result;
+use crate::shm::TensorRef;
 use crate::transport::{self, Sender, BOOTSTRAP_ENV};
 use crate::version::{self, Version, PROTOCOL_VERSION};
 use crate::wire::{
-    Capabilities, Drafted, DraftedRow, DrafterMsg, HandshakeReply, Hello, HostMsg, Reply, Request,
-    SamplingSpec, SessionId, TargetInfo,
+    Capabilities, DrafterMsg, HandshakeReply, Hello, SamplingSpec, SessionId, TargetInfo, Welcome,
 };
 
 /// What a drafter says about itself in its Hello.
@@ -59,6 +55,9 @@ pub struct DrafterInfo {
     pub capabilities: Capabilities,
     /// Protocol versions it speaks (per major, the newest minor).
     pub versions: Vec<Version>,
+    /// Whether [`Drafter::capabilities`] states the real capabilities once the target is known
+    /// (then `capabilities` above are what a 1.0 host gets).
+    pub late_capabilities: bool,
 }
 
 impl DrafterInfo {
@@ -69,13 +68,104 @@ impl DrafterInfo {
             version: version.to_string(),
             capabilities,
             versions: vec![PROTOCOL_VERSION],
+            late_capabilities: false,
+        }
+    }
+
+    /// The same, stating its capabilities once the target is known ([`Drafter::capabilities`]).
+    pub fn with_late_capabilities(self) -> Self {
+        DrafterInfo {
+            late_capabilities: true,
+            ..self
         }
     }
 }
 
-/// Target activations read from shared memory (copies: they stay valid).
+/// Target activations of a window of positions, borrowed from the shared-memory region (or,
+/// in process, from the host's memory): read them in place, copy what you keep.
+///
+/// Row `i` of every tensor is the target's state at absolute position `pos + i`. Layer taps and
+/// the final hidden are `rows × hidden_size`; K/V rows are `rows × kv_heads × head_dim`, K after
+/// RoPE. See `protocol/README.md` for which positions each message carries.
+#[derive(Debug, Clone)]
+pub struct Taps<'a> {
+    /// Absolute position of the first row.
+    pub pos: u64,
+    /// Number of rows.
+    pub rows: u32,
+    /// One per requested tap layer, in the order of `Capabilities::tap_layers`.
+    pub layers: Vec<TensorRef<'a>>,
+    /// Post-final-norm hidden, when asked for.
+    pub final_hidden: Option<TensorRef<'a>>,
+    /// `(k, v)` per requested KV layer, in the order of `Capabilities::kv_layers`.
+    pub kv: Vec<(TensorRef<'a>, TensorRef<'a>)>,
+}
+
+impl<'a> Taps<'a> {
+    /// Every tensor, in message order: layers, final hidden, then K and V of each KV layer.
+    pub fn tensors(&self) -> impl Iterator<Item = &TensorRef<'a>> {
+        let kv = self.kv.iter().flat_map(|(k, v)| [k, v]);
+        self.layers.iter().chain(&self.final_hidden).chain(kv)
+    }
+
+    /// Whether every tensor is still intact (call it after reading the bytes in place).
+    ///
+    /// # Errors
+    /// [`crate::Error::Torn`] when the host overwrote one of them.
+    pub fn check(&self) -> Result<()> {
+        self.tensors().try_for_each(TensorRef::check)
+    }
+
+    /// Views of f32 tensors in this process's memory (an in-process host), each shaped
+    /// `rows × rest`.
+    pub fn from_f32(
+        pos: u64,
+        rows: u32,
+        layers: &'a [Vec<f32>],
+        final_hidden: Option<&'a [f32]>,
+        kv: &'a [(Vec<f32>, Vec<f32>)],
+    ) -> Self {
+        let n = rows.max(1) as usize;
+        let t = |data: &'a [f32]| TensorRef::from_f32(data, &[rows, (data.len() / n) as u32]);
+        Taps {
+            pos,
+            rows,
+            layers: layers.iter().map(|l| t(l)).collect(),
+            final_hidden: final_hidden.map(t),
+            kv: kv.iter().map(|(k, v)| (t(k), t(v))).collect(),
+        }
+    }
+
+    /// Copies every tensor as f32.
+    ///
+    /// # Errors
+    /// [`crate::Error::Torn`] when one was overwritten during the copy.
+    pub fn to_owned(&self) -> Result<OwnedTaps> {
+        Ok(OwnedTaps {
+            pos: self.pos,
+            rows: self.rows,
+            layers: self
+                .layers
+                .iter()
+                .map(TensorRef::to_f32)
+                .collect::<Result<_>>()?,
+            final_hidden: self
+                .final_hidden
+                .as_ref()
+                .map(TensorRef::to_f32)
+                .transpose()?,
+            kv: self
+                .kv
+                .iter()
+                .map(|(k, v)| Ok((k.to_f32()?, v.to_f32()?)))
+                .collect::<Result<_>>()?,
+        })
+    }
+}
+
+/// Target activations copied out of shared memory as f32 (see [`Taps`]).
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Taps {
+pub struct OwnedTaps {
     /// Absolute position of the first row.
     pub pos: u64,
     /// Number of rows.
@@ -88,6 +178,19 @@ pub struct Taps {
     pub kv: Vec<(Vec<f32>, Vec<f32>)>,
 }
 
+impl OwnedTaps {
+    /// Borrowed views of these copies.
+    pub fn view(&self) -> Taps<'_> {
+        Taps::from_f32(
+            self.pos,
+            self.rows,
+            &self.layers,
+            self.final_hidden.as_deref(),
+            &self.kv,
+        )
+    }
+}
+
 /// What [`Drafter::open`] gets.
 #[derive(Debug)]
 pub struct OpenArgs<'a> {
@@ -95,8 +198,9 @@ pub struct OpenArgs<'a> {
     pub prompt: &'a [u32],
     /// How the target samples.
     pub sampling: &'a SamplingSpec,
-    /// Activations of the prompt, when asked for and intact.
-    pub taps: Option<Taps>,
+    /// Activations of every prompt position but the pending one (`prompt.len() - 1` rows from
+    /// position 0), when asked for and intact.
+    pub taps: Option<Taps<'a>>,
 }
 
 /// What [`Drafter::commit`] gets.
@@ -108,8 +212,40 @@ pub struct CommitArgs<'a> {
     pub accepted: usize,
     /// Ids committed: the accepted drafts, then the target's own (pending) token.
     pub ids: &'a [u32],
-    /// Activations of the verified rows, when asked for and intact.
-    pub taps: Option<Taps>,
+    /// Activations of the verified rows `[pending, d1..d_accepted]` (`accepted + 1` rows from the
+    /// position that was pending), when asked for and intact.
+    pub taps: Option<Taps<'a>>,
+}
+
+/// What [`Drafter::advance`] gets: ids committed without a draft being verified.
+#[derive(Debug)]
+pub struct AdvanceArgs<'a> {
+    /// The committed ids, oldest first; the last is pending now.
+    pub ids: &'a [u32],
+    /// Activations of the `ids.len()` rows that produced them (from the position that was
+    /// pending before), when asked for and intact.
+    pub taps: Option<Taps<'a>>,
+}
+
+/// What a drafter did with an [`Drafter::advance`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Advanced {
+    /// The drafter appended the ids to its context itself.
+    Taken,
+    /// The SDK keeps the ids and passes them in the next [`Drafter::draft`]'s `new_tokens`, as
+    /// a 1.0 host would (their taps are dropped).
+    AsNewTokens,
+}
+
+/// One row of a batched draft request, as [`Drafter::draft_batch`] gets it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DraftAsk<'a> {
+    /// The session (always an open one).
+    pub session: SessionId,
+    /// Ids committed that the drafter has not heard of (see [`Drafter::draft`]).
+    pub new_tokens: &'a [u32],
+    /// The most drafts wanted (already capped at `max_draft_len`).
+    pub n: usize,
 }
 
 /// A drafter's answer to one draft request.
@@ -119,6 +255,9 @@ pub struct Proposal {
     pub tokens: Vec<u32>,
     /// Probability rows, one per token, when the drafter sampled them.
     pub q: Option<Vec<Vec<f32>>>,
+    /// Per token, the estimated probability (`0..=1`) that the target accepts it given that the
+    /// earlier ones were accepted, when the drafter has such an estimate. Sent to hosts at ≥ 1.1.
+    pub confidence: Option<Vec<f32>>,
 }
 
 impl Proposal {
@@ -129,12 +268,27 @@ impl Proposal {
 
     /// Deterministic drafts (no `q`).
     pub fn tokens(tokens: Vec<u32>) -> Self {
-        Proposal { tokens, q: None }
+        Proposal {
+            tokens,
+            ..Proposal::default()
+        }
+    }
+
+    /// Keeps at most `n` tokens, with their `q` rows and confidences.
+    pub fn truncate(&mut self, n: usize) {
+        self.tokens.truncate(n);
+        let n = self.tokens.len();
+        if let Some(q) = &mut self.q {
+            q.truncate(n);
+        }
+        if let Some(c) = &mut self.confidence {
+            c.truncate(n);
+        }
     }
 }
 
 /// A drafter, as the SDK drives it. Calls for one session come in the order
-/// `open, (draft, commit)*, close`; calls for sessions the host never opened never come.
+/// `open, (draft, commit | advance)*, close`; calls for sessions the host never opened never come.
 pub trait Drafter {
     /// Name, version, capabilities, protocol versions: sent in the Hello.
     fn info(&self) -> DrafterInfo;
@@ -146,12 +300,31 @@ pub trait Drafter {
         let _ = target;
         Ok(())
     }
+    /// The capabilities to serve `target` with, for a drafter whose [`DrafterInfo`] set
+    /// `late_capabilities` (called after [`Drafter::accept_target`]). Default: the Hello's.
+    fn capabilities(&mut self, target: &TargetInfo) -> Capabilities {
+        let _ = target;
+        self.info().capabilities
+    }
     /// Starts a session.
     fn open(&mut self, session: SessionId, args: OpenArgs<'_>);
     /// Proposes up to `n` ids after appending `new_tokens` to the session's context.
     fn draft(&mut self, session: SessionId, new_tokens: &[u32], n: usize) -> Proposal;
+    /// Proposes for several sessions at once (one forward for all rows, in a batching drafter);
+    /// returns one proposal per ask, in order. Default: [`Drafter::draft`] per row.
+    fn draft_batch(&mut self, asks: &[DraftAsk<'_>]) -> Vec<Proposal> {
+        asks.iter()
+            .map(|a| self.draft(a.session, a.new_tokens, a.n))
+            .collect()
+    }
     /// Learns what the target committed after the last draft.
     fn commit(&mut self, session: SessionId, args: CommitArgs<'_>);
+    /// Learns ids committed without a verified draft (protocol ≥ 1.1). Default:
+    /// [`Advanced::AsNewTokens`], so a drafter that ignores taps needs nothing here.
+    fn advance(&mut self, session: SessionId, args: AdvanceArgs<'_>) -> Advanced {
+        let _ = (session, args);
+        Advanced::AsNewTokens
+    }
     /// Ends a session.
     fn close(&mut self, session: SessionId);
 }
@@ -237,6 +410,7 @@ pub fn run<D: Drafter>(mut drafter: D, bootstrap: &str) -> Result<Outcome> {
         name: info.name.clone(),
         drafter_version: info.version.clone(),
         capabilities: info.capabilities.clone(),
+        late_capabilities: info.late_capabilities,
     };
     let connected = transport::connect(bootstrap, &hello)?;
     let welcome = match connected.reply {
@@ -244,169 +418,51 @@ pub fn run<D: Drafter>(mut drafter: D, bootstrap: &str) -> Result<Outcome> {
         HandshakeReply::Welcome(welcome) => welcome,
     };
     let to_host = Sender::new(connected.to_host, welcome.version);
+    let verdict = accept(&mut drafter, &info, &welcome);
+    let caps = match verdict {
+        Ok(caps) => caps,
+        Err(reason) => {
+            // The host may already be gone; the reason is printed either way.
+            let _ = to_host.send(DrafterMsg::Goodbye {
+                reason: reason.clone(),
+            });
+            return Ok(Outcome::Declined { reason });
+        }
+    };
+    if info.late_capabilities && welcome.version >= LATE_CAPABILITIES {
+        to_host.send(DrafterMsg::Capabilities(caps.clone()))?;
+    }
+    server::Server::new(drafter, caps.max_draft_len as usize, to_host).serve(&connected.from_host)
+}
+
+/// The version that brought `DrafterMsg::Capabilities`.
+const LATE_CAPABILITIES: Version = Version { major: 1, minor: 1 };
+
+/// Checks the version and the target; returns the capabilities to serve with.
+fn accept<D: Drafter>(
+    drafter: &mut D,
+    info: &DrafterInfo,
+    welcome: &Welcome,
+) -> std::result::Result<Capabilities, String> {
     let spoken = version::negotiate(&info.versions, &[welcome.version]);
-    let verdict = if spoken != Some(welcome.version) {
-        Err(format!(
+    if spoken != Some(welcome.version) {
+        return Err(format!(
             "the host chose protocol {}, this drafter speaks {}",
             welcome.version,
             version::list(&info.versions)
-        ))
-    } else {
-        drafter.accept_target(&welcome.target)
-    };
-    if let Err(reason) = verdict {
-        // The host may already be gone; the reason is printed either way.
-        let _ = to_host.send(DrafterMsg::Goodbye {
-            reason: reason.clone(),
-        });
-        return Ok(Outcome::Declined { reason });
+        ));
     }
-    Server {
-        drafter,
-        max_draft_len: info.capabilities.max_draft_len as usize,
-        to_host,
-        regions: HashMap::new(),
-        sessions: HashSet::new(),
+    drafter.accept_target(&welcome.target)?;
+    if !info.late_capabilities {
+        return Ok(info.capabilities.clone());
     }
-    .serve(&connected.from_host)
-}
-
-struct Server<D> {
-    drafter: D,
-    max_draft_len: usize,
-    to_host: Sender<DrafterMsg>,
-    regions: HashMap<RegionId, ShmReader>,
-    sessions: HashSet<SessionId>,
-}
-
-impl<D: Drafter> Server<D> {
-    fn serve(mut self, from_host: &IpcReceiver<HostMsg>) -> Result<Outcome> {
-        loop {
-            let msg = match from_host.recv() {
-                Ok(msg) => msg,
-                Err(IpcError::Disconnected) => return Ok(Outcome::HostGone),
-                Err(source) => {
-                    return Err(Error::Transport {
-                        op: "receive a request",
-                        source,
-                    })
-                }
-            };
-            let HostMsg::Request { seq, request } = msg else {
-                return Err(Error::Violation {
-                    reason: "a second handshake reply".to_string(),
-                });
-            };
-            if let Request::Shutdown = request {
-                return Ok(Outcome::Shutdown);
-            }
-            match self.handle(seq, request) {
-                // The host went away while we answered: a normal end.
-                Err(Error::Transport { .. }) => return Ok(Outcome::HostGone),
-                other => other?,
-            }
-        }
+    let caps = drafter.capabilities(&welcome.target);
+    if welcome.version < LATE_CAPABILITIES && caps != info.capabilities {
+        return Err(format!(
+            "this drafter states its capabilities once it knows the target, which needs \
+             protocol {LATE_CAPABILITIES}; the host speaks {}",
+            welcome.version
+        ));
     }
-
-    fn handle(&mut self, seq: u64, request: Request) -> Result<()> {
-        match request {
-            Request::MapRegion(map) => {
-                let reader = ShmReader::new(map.region, map.shm)?;
-                self.regions.insert(map.region, reader);
-            }
-            Request::Open(open) => {
-                if !self.sessions.insert(open.session) {
-                    // A re-open replaces the session (e.g. the host resent its context).
-                    self.drafter.close(open.session);
-                }
-                let taps = self.read_taps(open.prompt_taps.as_ref());
-                let args = OpenArgs {
-                    prompt: &open.prompt_ids,
-                    sampling: &open.sampling,
-                    taps,
-                };
-                self.drafter.open(open.session, args);
-            }
-            Request::Draft(draft) => {
-                let rows = draft.rows.iter().map(|row| {
-                    let n = (row.n as usize).min(self.max_draft_len);
-                    let mut p = if self.sessions.contains(&row.session) {
-                        self.drafter.draft(row.session, &row.new_tokens, n)
-                    } else {
-                        warn!(
-                            session = row.session,
-                            "draft for a session that is not open"
-                        );
-                        Proposal::none()
-                    };
-                    p.tokens.truncate(n);
-                    if let Some(q) = &mut p.q {
-                        q.truncate(p.tokens.len());
-                    }
-                    DraftedRow {
-                        session: row.session,
-                        tokens: p.tokens,
-                        q: p.q,
-                    }
-                });
-                let drafted = Drafted {
-                    rows: rows.collect(),
-                };
-                self.to_host.send(DrafterMsg::Reply {
-                    seq,
-                    reply: Reply::Drafted(drafted),
-                })?;
-            }
-            Request::Commit(commit) => {
-                if self.sessions.contains(&commit.session) {
-                    let taps = self.read_taps(commit.taps.as_ref());
-                    let args = CommitArgs {
-                        drafted: commit.drafted as usize,
-                        accepted: commit.accepted as usize,
-                        ids: &commit.accepted_ids,
-                        taps,
-                    };
-                    self.drafter.commit(commit.session, args);
-                }
-            }
-            Request::Close(close) => {
-                if self.sessions.remove(&close.session) {
-                    self.drafter.close(close.session);
-                }
-            }
-            Request::Shutdown => unreachable!("invariant: handled by the caller"),
-        }
-        Ok(())
-    }
-
-    /// Reads every view; any torn or bad view drops the whole set (a partial set would misalign).
-    fn read_taps(&self, views: Option<&TapViews>) -> Option<Taps> {
-        let views = views?;
-        let read = |v: &TensorView| {
-            let reader = self.regions.get(&v.region).ok_or_else(|| Error::BadView {
-                reason: format!("region {} was never mapped", v.region),
-            })?;
-            reader.read_f32(v)
-        };
-        let taps = (|| -> Result<Taps> {
-            Ok(Taps {
-                pos: views.pos,
-                rows: views.rows,
-                layers: views.layers.iter().map(read).collect::<Result<_>>()?,
-                final_hidden: views.final_hidden.as_ref().map(read).transpose()?,
-                kv: views
-                    .kv
-                    .iter()
-                    .map(|kv| Ok((read(&kv.k)?, read(&kv.v)?)))
-                    .collect::<Result<_>>()?,
-            })
-        })();
-        match taps {
-            Ok(taps) => Some(taps),
-            Err(e) => {
-                debug!(error = %e, "taps dropped");
-                None
-            }
-        }
-    }
+    Ok(caps)
 }

@@ -32,6 +32,18 @@ pub type RegionId = u32;
 pub enum DType {
     /// 32-bit float, little endian.
     F32,
+    /// bfloat16 (the top half of an f32), little endian. @since protocol v1.1
+    BF16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::BF16 => 2,
+        }
+    }
 }
 
 /// Where a tensor lives in a region, and which write it belongs to.
@@ -78,6 +90,19 @@ pub struct TapViews {
     pub final_hidden: Option<TensorView>,
     /// K/V rows per requested layer (same order as `Capabilities::kv_layers`).
     pub kv: Vec<KvView>,
+}
+
+impl TapViews {
+    /// Every view, in message order: layers, final hidden, then K and V of each KV layer.
+    pub fn views(&self) -> impl Iterator<Item = &TensorView> {
+        let kv = self.kv.iter().flat_map(|kv| [&kv.k, &kv.v]);
+        self.layers.iter().chain(&self.final_hidden).chain(kv)
+    }
+
+    /// The element types of every view.
+    pub fn dtypes(&self) -> impl Iterator<Item = DType> + '_ {
+        self.views().map(|v| v.dtype)
+    }
 }
 
 const MAGIC: u64 = u64::from_le_bytes(*b"SPECSHM1");
@@ -149,13 +174,40 @@ impl ShmWriter {
     /// [`Error::BadView`] when the shape does not match `data`; [`Error::TooLarge`] when the
     /// tensor is bigger than the ring.
     pub fn write_f32(&mut self, data: &[f32], shape: &[u32]) -> Result<TensorView> {
+        self.write(DType::F32, data.len(), shape, |dst| {
+            for (chunk, x) in dst.chunks_exact_mut(4).zip(data) {
+                chunk.copy_from_slice(&x.to_le_bytes());
+            }
+        })
+    }
+
+    /// Writes bf16 values (their bit patterns) with the given shape and returns its view. Send
+    /// such a view only to a peer at ≥ 1.1 (the `Since` of `Open`/`Commit` says so).
+    ///
+    /// # Errors
+    /// As [`ShmWriter::write_f32`].
+    pub fn write_bf16(&mut self, bits: &[u16], shape: &[u32]) -> Result<TensorView> {
+        self.write(DType::BF16, bits.len(), shape, |dst| {
+            for (chunk, x) in dst.chunks_exact_mut(2).zip(bits) {
+                chunk.copy_from_slice(&x.to_le_bytes());
+            }
+        })
+    }
+
+    fn write(
+        &mut self,
+        dtype: DType,
+        len: usize,
+        shape: &[u32],
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<TensorView> {
         let numel: usize = shape.iter().map(|&d| d as usize).product();
-        if numel != data.len() {
+        if numel != len {
             return Err(Error::BadView {
-                reason: format!("shape {shape:?} holds {numel} values, got {}", data.len()),
+                reason: format!("shape {shape:?} holds {numel} values, got {len}"),
             });
         }
-        let bytes = std::mem::size_of_val(data) as u64;
+        let bytes = (len * dtype.size()) as u64;
         if bytes > self.capacity {
             return Err(Error::TooLarge {
                 bytes: bytes as usize,
@@ -181,16 +233,13 @@ impl ShmWriter {
         let offset = HEADER as u64 + start % self.capacity;
         // Readers may race with this copy; they detect it through `valid_from` and drop what they
         // read. [offset, offset + bytes) lies inside the mapping (checked above).
-        let dst = &mut mem[offset as usize..(offset + bytes) as usize];
-        for (chunk, x) in dst.chunks_exact_mut(4).zip(data) {
-            chunk.copy_from_slice(&x.to_le_bytes());
-        }
+        fill(&mut mem[offset as usize..(offset + bytes) as usize]);
         word(mem, WRITTEN).store(end, Ordering::Release);
         self.next = end.div_ceil(ALIGN) * ALIGN;
         Ok(TensorView {
             region: self.id,
             offset,
-            dtype: DType::F32,
+            dtype,
             shape: shape.to_vec(),
             epoch: start,
         })
@@ -233,12 +282,12 @@ impl ShmReader {
         self.id
     }
 
-    /// Copies the tensor a view points at.
+    /// The tensor a view points at, borrowed from the mapping (nothing is copied).
     ///
     /// # Errors
     /// [`Error::BadView`] when the view names another region, or does not fit or match its epoch;
-    /// [`Error::Torn`] when the tensor was overwritten: drop it.
-    pub fn read_f32(&self, view: &TensorView) -> Result<Vec<f32>> {
+    /// [`Error::Torn`] when the tensor was already overwritten: drop it.
+    pub fn view<'a>(&'a self, view: &TensorView) -> Result<TensorRef<'a>> {
         let bad = |reason: String| Err(Error::BadView { reason });
         if view.region != self.id {
             return bad(format!(
@@ -246,7 +295,7 @@ impl ShmReader {
                 view.region, self.id
             ));
         }
-        let bytes = (view.numel() * 4) as u64;
+        let bytes = (view.numel() * view.dtype.size()) as u64;
         if bytes > self.capacity
             || view.offset != HEADER as u64 + view.epoch % self.capacity
             || view.epoch % self.capacity + bytes > self.capacity
@@ -264,20 +313,147 @@ impl ShmReader {
                 view.epoch
             ));
         }
-        let src = &base[view.offset as usize..(view.offset + bytes) as usize];
-        let out: Vec<f32> = src
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        // The copy above must happen before the check below (seqlock reader side).
-        fence(Ordering::Acquire);
-        let valid_from = word(base, VALID_FROM).load(Ordering::Relaxed);
-        if valid_from > view.epoch {
-            return Err(Error::Torn {
+        let tensor = TensorRef {
+            dtype: view.dtype,
+            shape: view.shape.clone(),
+            bytes: &base[view.offset as usize..(view.offset + bytes) as usize],
+            guard: Some(Guard {
+                reader: self,
                 epoch: view.epoch,
+            }),
+        };
+        tensor.check()?;
+        Ok(tensor)
+    }
+
+    /// Copies the tensor a view points at, as f32.
+    ///
+    /// # Errors
+    /// As [`ShmReader::view`], and [`Error::Torn`] when it was overwritten during the copy.
+    pub fn read_f32(&self, view: &TensorView) -> Result<Vec<f32>> {
+        self.view(view)?.to_f32()
+    }
+
+    fn valid_from(&self) -> u64 {
+        word(&self.shm[..], VALID_FROM).load(Ordering::Relaxed)
+    }
+}
+
+/// What tells a borrowed tensor whether it is still intact.
+#[derive(Debug, Clone, Copy)]
+struct Guard<'a> {
+    reader: &'a ShmReader,
+    epoch: u64,
+}
+
+/// A tensor borrowed from a shared-memory region (or from the host's own memory, in process):
+/// read it in place, copy only what you keep.
+///
+/// The host may overwrite a region tensor once the ring laps, so every copying method checks
+/// afterwards that the bytes were intact ([`Error::Torn`] otherwise); a caller reading
+/// [`TensorRef::bytes`] directly calls [`TensorRef::check`] after it is done.
+#[derive(Debug, Clone)]
+pub struct TensorRef<'a> {
+    dtype: DType,
+    shape: Vec<u32>,
+    bytes: &'a [u8],
+    guard: Option<Guard<'a>>,
+}
+
+impl<'a> TensorRef<'a> {
+    /// A view of f32 values in this process's memory (never torn). When `shape` does not hold
+    /// `data.len()` values the view is one-dimensional.
+    pub fn from_f32(data: &'a [f32], shape: &[u32]) -> Self {
+        let numel: usize = shape.iter().map(|&d| d as usize).product();
+        let shape = match numel == data.len() {
+            true => shape.to_vec(),
+            false => vec![data.len() as u32],
+        };
+        // SAFETY: any f32 is 4 initialised bytes; the slice borrows `data` for 'a.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), data.len() * 4) };
+        TensorRef {
+            dtype: DType::F32,
+            shape,
+            bytes,
+            guard: None,
+        }
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Shape, row-major.
+    pub fn shape(&self) -> &[u32] {
+        &self.shape
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.bytes.len() / self.dtype.size()
+    }
+
+    /// The raw little-endian bytes, in place. Call [`TensorRef::check`] after reading them.
+    pub fn bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+
+    /// Whether the bytes are still the ones the host wrote (always for in-process tensors).
+    ///
+    /// # Errors
+    /// [`Error::Torn`] when the host has overwritten them.
+    pub fn check(&self) -> Result<()> {
+        let Some(guard) = self.guard else {
+            return Ok(());
+        };
+        // Whatever was read before must be ordered before this check (seqlock reader side).
+        fence(Ordering::Acquire);
+        let valid_from = guard.reader.valid_from();
+        match valid_from > guard.epoch {
+            true => Err(Error::Torn {
+                epoch: guard.epoch,
                 valid_from,
+            }),
+            false => Ok(()),
+        }
+    }
+
+    /// Appends the elements `range` (in elements, row-major), converted to f32, to `out`.
+    ///
+    /// # Errors
+    /// [`Error::BadView`] when the range is out of bounds; [`Error::Torn`] as [`TensorRef::check`]
+    /// (then `out` is left as it was).
+    pub fn extend_f32(&self, range: std::ops::Range<usize>, out: &mut Vec<f32>) -> Result<()> {
+        if range.start > range.end || range.end > self.numel() {
+            return Err(Error::BadView {
+                reason: format!("elements {range:?} of a tensor of {}", self.numel()),
             });
         }
+        let size = self.dtype.size();
+        let src = &self.bytes[range.start * size..range.end * size];
+        let before = out.len();
+        match self.dtype {
+            DType::F32 => out.extend(
+                src.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            ),
+            DType::BF16 => out.extend(
+                src.chunks_exact(2)
+                    .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16)),
+            ),
+        }
+        self.check().inspect_err(|_| out.truncate(before))
+    }
+
+    /// Copies the whole tensor as f32.
+    ///
+    /// # Errors
+    /// [`Error::Torn`] as [`TensorRef::check`].
+    pub fn to_f32(&self) -> Result<Vec<f32>> {
+        let mut out = Vec::with_capacity(self.numel());
+        self.extend_f32(0..self.numel(), &mut out)?;
         Ok(out)
     }
 }
@@ -327,6 +503,52 @@ mod tests {
         assert_eq!(v.epoch, 256);
         assert_eq!(v.offset, HEADER as u64);
         assert_eq!(r.read_f32(&v).unwrap(), vec![5.0; 20]);
+    }
+
+    #[test]
+    fn bf16_views_read_as_f32_and_borrow_in_place() {
+        let mut w = ShmWriter::new(2, 1024).unwrap();
+        let r = ShmReader::new(2, w.handle()).unwrap();
+        let values = [1.0f32, -2.5, 3.0e-3, 65504.0];
+        let bits: Vec<u16> = values.iter().map(|x| (x.to_bits() >> 16) as u16).collect();
+        let v = w.write_bf16(&bits, &[2, 2]).unwrap();
+        assert_eq!(v.dtype, DType::BF16);
+        let t = r.view(&v).unwrap();
+        assert_eq!(
+            (t.numel(), t.bytes().len(), t.shape()),
+            (4, 8, &[2u32, 2][..])
+        );
+        let want: Vec<f32> = bits
+            .iter()
+            .map(|&b| f32::from_bits(u32::from(b) << 16))
+            .collect();
+        assert_eq!(t.to_f32().unwrap(), want);
+        assert_eq!(want[0], 1.0);
+        let mut row = vec![9.0];
+        t.extend_f32(2..4, &mut row).unwrap();
+        assert_eq!(row, [9.0, want[2], want[3]]);
+        assert!(t.extend_f32(3..5, &mut row).is_err());
+    }
+
+    #[test]
+    fn a_borrowed_view_notices_it_was_overwritten() {
+        let mut w = ShmWriter::new(0, 256).unwrap();
+        let r = ShmReader::new(0, w.handle()).unwrap();
+        let first = w.write_f32(&[1.0; 32], &[32]).unwrap();
+        let t = r.view(&first).unwrap();
+        t.check().unwrap();
+        w.write_f32(&[2.0; 32], &[32]).unwrap();
+        w.write_f32(&[3.0; 32], &[32]).unwrap();
+        assert!(matches!(t.check(), Err(Error::Torn { .. })));
+        let mut out = vec![0.5];
+        assert!(t.extend_f32(0..4, &mut out).is_err());
+        assert_eq!(out, [0.5], "a torn copy leaves the output as it was");
+        assert!(matches!(r.view(&first), Err(Error::Torn { .. })));
+        let local = [4.0f32, 5.0];
+        assert_eq!(
+            TensorRef::from_f32(&local, &[1, 2]).to_f32().unwrap(),
+            local
+        );
     }
 
     #[test]

@@ -16,7 +16,7 @@
 use ipc_channel::ipc::{IpcSender, IpcSharedMemory};
 use serde::{Deserialize, Serialize};
 
-use crate::shm::{RegionId, TapViews};
+use crate::shm::{DType, RegionId, TapViews};
 use crate::version::{Version, PROTOCOL_VERSION};
 
 /// Identifies one request (a session) across the host and its drafters.
@@ -45,6 +45,11 @@ pub struct Hello {
     pub drafter_version: String,
     /// What the drafter can do and wants to see.
     pub capabilities: Capabilities,
+    /// Whether the drafter states its real capabilities only once it knows the target: after
+    /// `Welcome` it sends [`DrafterMsg::Capabilities`], which replace the ones above. A 1.0 host
+    /// ignores the field and keeps the ones above. @since protocol v1.1
+    #[serde(default)]
+    pub late_capabilities: bool,
 }
 
 /// What a drafter can do and which target activations it wants after each verify forward.
@@ -111,7 +116,7 @@ pub struct Welcome {
 }
 
 /// What a drafter needs to know about the target model.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TargetInfo {
     /// Architecture name, e.g. `qwen2`.
     pub architecture: String,
@@ -133,6 +138,31 @@ pub struct TargetInfo {
     pub weights_path: String,
     /// The target's context length.
     pub context_len: u32,
+    /// RoPE base frequency of the target. @since protocol v1.1
+    #[serde(default)]
+    pub rope_theta: Option<f32>,
+    /// How the target pairs the dimensions RoPE rotates. @since protocol v1.1
+    #[serde(default)]
+    pub rope_layout: Option<RopeLayout>,
+    /// The epsilon of the target's RMSNorms. @since protocol v1.1
+    #[serde(default)]
+    pub rms_norm_eps: Option<f32>,
+    /// Whether the target's lm_head is its embedding matrix. @since protocol v1.1
+    #[serde(default)]
+    pub tie_word_embeddings: Option<bool>,
+    /// Element type of the taps and K/V rows the host writes (the target's activation dtype).
+    /// `None` (a 1.0 host) means f32. @since protocol v1.1
+    #[serde(default)]
+    pub tap_dtype: Option<DType>,
+}
+
+/// Which dimensions of a head RoPE rotates together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RopeLayout {
+    /// Dimension `i` with `i + head_dim/2` (HF `rotate_half`, GPT-NeoX; llama, qwen2, qwen3).
+    Halves,
+    /// Dimension `2i` with `2i + 1` (GPT-J, the original RoFormer).
+    Interleaved,
 }
 
 /// Sampling parameters of a session, so a sampling drafter can match the target's distribution.
@@ -196,6 +226,25 @@ pub struct Draft {
     pub rows: Vec<DraftRow>,
 }
 
+/// Ids committed to a session's context *without* a [`Commit`] (a round with no drafts, a missed
+/// deadline, a drafter that proposed nothing), with the taps of the target rows that produced
+/// them. Sent only to peers at ≥ 1.1; a 1.0 peer gets these ids in [`DraftRow::new_tokens`].
+///
+/// # Invariants
+/// With `Advance` the host guarantees that every committed position's taps reach the drafter
+/// exactly once, in order (at `Open`, `Commit` or `Advance`), unless a view is torn.
+/// @since protocol v1.1
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Advance {
+    /// The session.
+    pub session: SessionId,
+    /// The committed ids, oldest first.
+    pub ids: Vec<u32>,
+    /// Activations of the rows that were run to produce `ids`: the row of the position that was
+    /// pending before, then one per id but the last (which is pending now).
+    pub taps: Option<TapViews>,
+}
+
 /// One session's drafts.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DraftedRow {
@@ -212,6 +261,43 @@ pub struct DraftedRow {
 pub struct Drafted {
     /// One row per session asked.
     pub rows: Vec<DraftedRow>,
+}
+
+/// One session's drafts with the drafter's estimate that each is accepted.
+/// @since protocol v1.1
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProposedRow {
+    /// The session.
+    pub session: SessionId,
+    /// Proposed ids, at most the `n` asked for.
+    pub tokens: Vec<u32>,
+    /// The drafter's probability row (`vocab_size` entries) per drafted id, when it sampled them.
+    pub q: Option<Vec<Vec<f32>>>,
+    /// Per drafted id, the drafter's estimate (`0..=1`) that the target accepts it given that
+    /// every earlier one was accepted (DSpark's confidence head), when it has one.
+    pub confidence: Option<Vec<f32>>,
+}
+
+/// The 1.1 reply to [`Draft`]: one row per asked row, in the same order.
+/// @since protocol v1.1
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Proposed {
+    /// One row per session asked.
+    pub rows: Vec<ProposedRow>,
+}
+
+impl From<Drafted> for Proposed {
+    fn from(d: Drafted) -> Self {
+        let rows = d.rows.into_iter().map(|r| ProposedRow {
+            session: r.session,
+            tokens: r.tokens,
+            q: r.q,
+            confidence: None,
+        });
+        Proposed {
+            rows: rows.collect(),
+        }
+    }
 }
 
 /// What the target made of the last draft.
@@ -260,6 +346,8 @@ pub enum Request {
     Close(Close),
     /// The drafter exits (status 0).
     Shutdown,
+    /// See [`Advance`]. @since protocol v1.1
+    Advance(Advance),
 }
 
 /// Everything host → drafter.
@@ -279,8 +367,20 @@ pub enum HostMsg {
 /// A drafter's reply to a request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Reply {
-    /// The drafts asked for by a [`Request::Draft`].
+    /// The drafts asked for by a [`Request::Draft`] (a 1.0 drafter's answer).
     Drafted(Drafted),
+    /// The drafts asked for, with confidences (a ≥ 1.1 drafter's answer). @since protocol v1.1
+    Proposed(Proposed),
+}
+
+impl Reply {
+    /// The reply in its newest form (a [`Drafted`] gains `confidence: None`).
+    pub fn into_proposed(self) -> Proposed {
+        match self {
+            Reply::Drafted(d) => d.into(),
+            Reply::Proposed(p) => p,
+        }
+    }
 }
 
 /// Everything drafter → host (after [`Connect`]).
@@ -298,10 +398,20 @@ pub enum DrafterMsg {
         /// The reply.
         reply: Reply,
     },
+    /// The drafter's capabilities now that it knows the target; they replace the Hello's. Sent
+    /// once, right after `Welcome`, by a drafter whose Hello set `late_capabilities`.
+    /// @since protocol v1.1
+    Capabilities(Capabilities),
 }
 
 /// The protocol version that introduced a message, so a sender can refuse to send it to an older
 /// peer (postcard cannot skip what it does not know).
+///
+/// | message | since |
+/// |---|---|
+/// | `Handshake`, `Goodbye`, `MapRegion`, `Open`, `Draft`, `Drafted`, `Commit`, `Close`, `Shutdown` | 1.0 |
+/// | `Advance`, `Proposed`, `Capabilities` (drafter → host) | 1.1 |
+/// | `Open`, `Commit` whose taps hold a bf16 view | 1.1 |
 pub trait Since {
     /// The message's name, for errors.
     fn kind(&self) -> &'static str;
@@ -309,9 +419,18 @@ pub trait Since {
     fn since(&self) -> Version;
 }
 
-// Every message so far came with 1.0. A message added in 1.1 gets its own arm returning 1.1.
 const V1_0: Version = Version { major: 1, minor: 0 };
+const V1_1: Version = Version { major: 1, minor: 1 };
 const _: () = assert!(PROTOCOL_VERSION.major == V1_0.major);
+const _: () = assert!(PROTOCOL_VERSION.minor >= V1_1.minor);
+
+/// bf16 views came with 1.1: a message carrying one needs a 1.1 peer.
+fn taps_since(taps: Option<&TapViews>) -> Version {
+    match taps.is_some_and(|t| t.dtypes().any(|d| d != DType::F32)) {
+        true => V1_1,
+        false => V1_0,
+    }
+}
 
 impl Since for HostMsg {
     fn kind(&self) -> &'static str {
@@ -324,6 +443,7 @@ impl Since for HostMsg {
                 Request::Commit(_) => "Commit",
                 Request::Close(_) => "Close",
                 Request::Shutdown => "Shutdown",
+                Request::Advance(_) => "Advance",
             },
         }
     }
@@ -333,11 +453,12 @@ impl Since for HostMsg {
             HostMsg::Handshake(_) => V1_0,
             HostMsg::Request { request, .. } => match request {
                 Request::MapRegion(_)
-                | Request::Open(_)
                 | Request::Draft(_)
-                | Request::Commit(_)
                 | Request::Close(_)
                 | Request::Shutdown => V1_0,
+                Request::Open(open) => taps_since(open.prompt_taps.as_ref()),
+                Request::Commit(commit) => taps_since(commit.taps.as_ref()),
+                Request::Advance(_) => V1_1,
             },
         }
     }
@@ -351,12 +472,26 @@ impl Since for DrafterMsg {
                 reply: Reply::Drafted(_),
                 ..
             } => "Drafted",
+            DrafterMsg::Reply {
+                reply: Reply::Proposed(_),
+                ..
+            } => "Proposed",
+            DrafterMsg::Capabilities(_) => "Capabilities",
         }
     }
 
     fn since(&self) -> Version {
         match self {
-            DrafterMsg::Goodbye { .. } | DrafterMsg::Reply { .. } => V1_0,
+            DrafterMsg::Goodbye { .. }
+            | DrafterMsg::Reply {
+                reply: Reply::Drafted(_),
+                ..
+            } => V1_0,
+            DrafterMsg::Reply {
+                reply: Reply::Proposed(_),
+                ..
+            }
+            | DrafterMsg::Capabilities(_) => V1_1,
         }
     }
 }

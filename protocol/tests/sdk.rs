@@ -3,26 +3,43 @@
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use specula_protocol::sdk::{self, CommitArgs, Drafter, DrafterInfo, OpenArgs, Outcome, Proposal};
+use specula_protocol::sdk::{
+    self, AdvanceArgs, Advanced, CommitArgs, DraftAsk, Drafter, DrafterInfo, OpenArgs, Outcome,
+    Proposal,
+};
 use specula_protocol::shm::{ShmWriter, TapViews};
-use specula_protocol::transport::{Accepted, Bootstrap};
+use specula_protocol::transport::{Accepted, Bootstrap, Sender};
 use specula_protocol::wire::*;
 use specula_protocol::{Version, PROTOCOL_VERSION};
 
-/// Proposes `0, 1, 2, …` (more than asked) and logs every call.
+/// Proposes `0, 1, 2, …` (more than asked, with confidences) and logs every call.
 struct Recorder {
     log: Arc<Mutex<Vec<String>>>,
     versions: Vec<Version>,
     refuse: bool,
+    /// States `tap_layers: [num_layers - 1]` once it knows the target.
+    late: bool,
+    /// Takes `Advance` itself instead of leaving the ids for the next draft.
+    takes_advance: bool,
 }
 
 impl Drafter for Recorder {
     fn info(&self) -> DrafterInfo {
         let mut caps = Capabilities::tokens_only(3);
         caps.final_hidden = true;
-        DrafterInfo {
+        let info = DrafterInfo {
             versions: self.versions.clone(),
             ..DrafterInfo::new("rec", "1", caps)
+        };
+        match self.late {
+            true => info.with_late_capabilities(),
+            false => info,
+        }
+    }
+    fn capabilities(&mut self, target: &TargetInfo) -> Capabilities {
+        Capabilities {
+            tap_layers: vec![target.num_layers - 1],
+            ..self.info().capabilities
         }
     }
     fn accept_target(&mut self, target: &TargetInfo) -> Result<(), String> {
@@ -32,7 +49,7 @@ impl Drafter for Recorder {
         }
     }
     fn open(&mut self, session: SessionId, args: OpenArgs<'_>) {
-        let taps = args.taps.map(|t| t.final_hidden.unwrap());
+        let taps = args.taps.map(|t| t.final_hidden.unwrap().to_f32().unwrap());
         self.log
             .lock()
             .unwrap()
@@ -43,10 +60,33 @@ impl Drafter for Recorder {
             .lock()
             .unwrap()
             .push(format!("draft {session} {new_tokens:?} {n}"));
-        Proposal::tokens((0..10).collect())
+        Proposal {
+            confidence: Some((0..10).map(|i| 1.0 / (i + 1) as f32).collect()),
+            ..Proposal::tokens((0..10).collect())
+        }
+    }
+    fn draft_batch(&mut self, asks: &[DraftAsk<'_>]) -> Vec<Proposal> {
+        self.log
+            .lock()
+            .unwrap()
+            .push(format!("batch {}", asks.len()));
+        asks.iter()
+            .map(|a| self.draft(a.session, a.new_tokens, a.n))
+            .collect()
+    }
+    fn advance(&mut self, session: SessionId, args: AdvanceArgs<'_>) -> Advanced {
+        let taps = args.taps.map(|t| t.final_hidden.unwrap().to_f32().unwrap());
+        self.log
+            .lock()
+            .unwrap()
+            .push(format!("advance {session} {:?} {taps:?}", args.ids));
+        match self.takes_advance {
+            true => Advanced::Taken,
+            false => Advanced::AsNewTokens,
+        }
     }
     fn commit(&mut self, session: SessionId, args: CommitArgs<'_>) {
-        let taps = args.taps.map(|t| t.final_hidden.unwrap());
+        let taps = args.taps.map(|t| t.final_hidden.unwrap().to_f32().unwrap());
         self.log
             .lock()
             .unwrap()
@@ -69,6 +109,7 @@ fn target() -> TargetInfo {
         eos_ids: vec![],
         weights_path: String::new(),
         context_len: 64,
+        ..TargetInfo::default()
     }
 }
 
@@ -86,6 +127,8 @@ fn recorder(versions: Vec<Version>, refuse: bool) -> (Recorder, Arc<Mutex<Vec<St
             log: log.clone(),
             versions,
             refuse,
+            late: false,
+            takes_advance: false,
         },
         log,
     )
@@ -157,10 +200,10 @@ fn serves_a_whole_session_and_caps_drafts() {
     request(&a, 2, Request::Draft(Draft { rows }));
     let DrafterMsg::Reply {
         seq,
-        reply: Reply::Drafted(d),
+        reply: Reply::Proposed(d),
     } = a.from_drafter.recv().unwrap()
     else {
-        panic!("expected Drafted");
+        panic!("expected Proposed (the 1.1 reply)");
     };
     assert_eq!(seq, 2, "the reply carries its request's number");
     let tokens: Vec<_> = d
@@ -173,6 +216,10 @@ fn serves_a_whole_session_and_caps_drafts() {
         tokens,
         vec![(1, vec![0, 1]), (1, vec![0, 1, 2]), (99, vec![])]
     );
+    // Confidences travel with their tokens, capped the same way.
+    assert_eq!(d.rows[0].confidence, Some(vec![1.0, 0.5]));
+    assert_eq!(d.rows[1].confidence.as_ref().map(Vec::len), Some(3));
+    assert_eq!(d.rows[2].confidence, None);
     let taps = one_tap(&mut region, &[1.0, 3.0]);
     let commit = Commit {
         session: 1,
@@ -189,6 +236,7 @@ fn serves_a_whole_session_and_caps_drafts() {
         *log.lock().unwrap(),
         vec![
             "open 1 [7, 8] Some([0.5, -2.0])",
+            "batch 2",
             "draft 1 [9] 2",
             "draft 1 [] 3",
             "commit 1 [0, 5] Some([1.0, 3.0])",
@@ -240,7 +288,7 @@ fn drafter_declines_a_version_it_does_not_speak() {
     let DrafterMsg::Goodbye { reason } = a.from_drafter.recv().unwrap() else {
         panic!("expected Goodbye");
     };
-    assert!(reason.contains("1.5") && reason.contains("1.0"), "{reason}");
+    assert!(reason.contains("1.5") && reason.contains("1.1"), "{reason}");
     thread.join().unwrap();
 }
 
@@ -255,4 +303,203 @@ fn host_going_away_ends_the_drafter_cleanly() {
     .unwrap();
     drop(a);
     assert_eq!(thread.join().unwrap(), Outcome::HostGone);
+}
+
+fn welcome(a: &Accepted, version: Version) {
+    a.reply(&HandshakeReply::Welcome(Welcome {
+        version,
+        target: target(),
+    }))
+    .unwrap();
+}
+
+fn draft_one(a: &Accepted, seq: Seq, new_tokens: Vec<u32>) -> Reply {
+    let row = DraftRow {
+        session: 1,
+        new_tokens,
+        n: 2,
+        step: 0,
+    };
+    request(a, seq, Request::Draft(Draft { rows: vec![row] }));
+    match a.from_drafter.recv().unwrap() {
+        DrafterMsg::Reply { seq: got, reply } if got == seq => reply,
+        other => panic!("expected the reply to {seq}, got {other:?}"),
+    }
+}
+
+fn open_session(a: &Accepted, seq: Seq) {
+    let open = Open {
+        session: 1,
+        prompt_ids: vec![7],
+        sampling: SamplingSpec::greedy(),
+        prompt_taps: None,
+    };
+    request(a, seq, Request::Open(open));
+}
+
+#[test]
+fn advance_reaches_the_drafter_with_its_taps() {
+    let (mut drafter, log) = recorder(vec![PROTOCOL_VERSION], false);
+    drafter.takes_advance = true;
+    let (a, thread) = spawn(drafter);
+    welcome(&a, PROTOCOL_VERSION);
+    let mut region = ShmWriter::new(0, 256).unwrap();
+    let map = MapRegion {
+        region: 0,
+        shm: region.handle(),
+    };
+    request(&a, 0, Request::MapRegion(map));
+    open_session(&a, 1);
+    let taps = one_tap(&mut region, &[4.0, 5.0]);
+    let advance = Advance {
+        session: 1,
+        ids: vec![8],
+        taps: Some(taps),
+    };
+    request(&a, 2, Request::Advance(advance));
+    // Taken by the drafter: the next draft gets only its own new tokens.
+    draft_one(&a, 3, vec![]);
+    request(&a, 4, Request::Shutdown);
+    thread.join().unwrap();
+    assert_eq!(
+        log.lock().unwrap()[1..],
+        ["advance 1 [8] Some([4.0, 5.0])", "batch 1", "draft 1 [] 2"]
+    );
+}
+
+#[test]
+fn by_default_advanced_ids_arrive_with_the_next_draft() {
+    let (drafter, log) = recorder(vec![PROTOCOL_VERSION], false);
+    let (a, thread) = spawn(drafter);
+    welcome(&a, PROTOCOL_VERSION);
+    open_session(&a, 0);
+    for (seq, ids) in [(1, vec![8, 9]), (2, vec![10])] {
+        let advance = Advance {
+            session: 1,
+            ids,
+            taps: None,
+        };
+        request(&a, seq, Request::Advance(advance));
+    }
+    draft_one(&a, 3, vec![11]);
+    draft_one(&a, 4, vec![]);
+    request(&a, 5, Request::Shutdown);
+    thread.join().unwrap();
+    let log = log.lock().unwrap();
+    assert_eq!(log[4], "draft 1 [8, 9, 10, 11] 2", "{log:?}");
+    assert_eq!(log[6], "draft 1 [] 2", "ids are handed over once");
+}
+
+#[test]
+fn late_capabilities_follow_welcome_at_1_1() {
+    let (mut drafter, _) = recorder(vec![PROTOCOL_VERSION], false);
+    drafter.late = true;
+    let (a, thread) = spawn(drafter);
+    assert!(a.hello.late_capabilities);
+    assert!(a.hello.capabilities.tap_layers.is_empty());
+    welcome(&a, PROTOCOL_VERSION);
+    let DrafterMsg::Capabilities(caps) = a.from_drafter.recv().unwrap() else {
+        panic!("expected Capabilities");
+    };
+    assert_eq!(
+        caps.tap_layers,
+        vec![1],
+        "the target has 2 layers: the last is 1"
+    );
+    request(&a, 0, Request::Shutdown);
+    assert_eq!(thread.join().unwrap(), Outcome::Shutdown);
+}
+
+const V1_0: Version = Version { major: 1, minor: 0 };
+
+/// A 1.1 drafter whose host speaks 1.0: it never sends a 1.1 message (Proposed, Capabilities).
+#[test]
+fn a_1_0_host_never_receives_a_1_1_message() {
+    let (drafter, _) = recorder(vec![PROTOCOL_VERSION], false);
+    let (a, thread) = spawn(drafter);
+    welcome(&a, V1_0);
+    open_session(&a, 0);
+    let Reply::Drafted(d) = draft_one(&a, 1, vec![]) else {
+        panic!("a 1.0 host must get Drafted, not Proposed");
+    };
+    assert_eq!(
+        d.rows[0].tokens,
+        vec![0, 1],
+        "confidences are dropped, drafts kept"
+    );
+    request(&a, 2, Request::Shutdown);
+    assert_eq!(thread.join().unwrap(), Outcome::Shutdown);
+}
+
+#[test]
+fn late_capabilities_at_1_0_are_the_hellos_or_a_clear_goodbye() {
+    // Its late capabilities differ from the Hello's: it cannot tell a 1.0 host, so it declines.
+    let (mut drafter, _) = recorder(vec![PROTOCOL_VERSION], false);
+    drafter.late = true;
+    let (a, thread) = spawn(drafter);
+    welcome(&a, V1_0);
+    let DrafterMsg::Goodbye { reason } = a.from_drafter.recv().unwrap() else {
+        panic!("expected Goodbye, never Capabilities at 1.0");
+    };
+    assert!(reason.contains("needs protocol 1.1"), "{reason}");
+    assert!(matches!(thread.join().unwrap(), Outcome::Declined { .. }));
+}
+
+/// A drafter built for 1.0 against this (1.1) host: the host's sender refuses every 1.1
+/// message, so the drafter only ever sees what it can decode.
+#[test]
+fn a_1_0_drafter_never_receives_a_1_1_message() {
+    let (drafter, log) = recorder(vec![V1_0], false);
+    let (a, thread) = spawn(drafter);
+    let negotiated = specula_protocol::version::negotiate(&[PROTOCOL_VERSION], &a.hello.versions);
+    assert_eq!(negotiated, Some(V1_0));
+    welcome(&a, V1_0);
+    let sender = Sender::new(a.to_drafter.clone(), V1_0);
+    let advance = HostMsg::Request {
+        seq: 0,
+        request: Request::Advance(Advance {
+            session: 1,
+            ids: vec![1],
+            taps: None,
+        }),
+    };
+    assert!(matches!(
+        sender.send(advance),
+        Err(specula_protocol::Error::TooNew {
+            message: "Advance",
+            ..
+        })
+    ));
+    let mut region = ShmWriter::new(0, 256).unwrap();
+    let bf16 = TapViews {
+        pos: 0,
+        rows: 1,
+        layers: vec![region.write_bf16(&[0x3f80], &[1, 1]).unwrap()],
+        final_hidden: None,
+        kv: vec![],
+    };
+    let open = HostMsg::Request {
+        seq: 0,
+        request: Request::Open(Open {
+            session: 1,
+            prompt_ids: vec![7],
+            sampling: SamplingSpec::greedy(),
+            prompt_taps: Some(bf16),
+        }),
+    };
+    assert!(
+        sender.send(open).is_err(),
+        "bf16 taps need 1.1: the sender refuses them"
+    );
+    open_session(&a, 1);
+    let Reply::Drafted(_) = draft_one(&a, 2, vec![]) else {
+        panic!("a 1.0 drafter answers Drafted");
+    };
+    request(&a, 3, Request::Shutdown);
+    assert_eq!(thread.join().unwrap(), Outcome::Shutdown);
+    assert_eq!(
+        log.lock().unwrap()[0],
+        "open 1 [7] None",
+        "the refused Open never arrived"
+    );
 }

@@ -47,6 +47,7 @@ fn hello() -> Hello {
             final_hidden: true,
             kv_layers: vec![0],
         },
+        late_capabilities: true,
     }
 }
 
@@ -62,6 +63,11 @@ fn target() -> TargetInfo {
         eos_ids: vec![151643, 151645],
         weights_path: "/models/q.gguf".into(),
         context_len: 32768,
+        rope_theta: Some(1_000_000.0),
+        rope_layout: Some(RopeLayout::Halves),
+        rms_norm_eps: Some(1e-6),
+        tie_word_embeddings: Some(true),
+        tap_dtype: Some(DType::F32),
     }
 }
 
@@ -110,7 +116,47 @@ fn requests() -> Vec<(&'static str, Request)> {
         ),
         ("close", Request::Close(Close { session: 5 })),
         ("shutdown", Request::Shutdown),
+        (
+            "advance",
+            Request::Advance(Advance {
+                session: 5,
+                ids: vec![12, 13],
+                taps: Some(taps()),
+            }),
+        ),
     ]
+}
+
+fn proposed() -> DrafterMsg {
+    DrafterMsg::Reply {
+        seq: 42,
+        reply: Reply::Proposed(Proposed {
+            rows: vec![
+                ProposedRow {
+                    session: 5,
+                    tokens: vec![10, 12],
+                    q: None,
+                    confidence: Some(vec![0.875, 0.25]),
+                },
+                ProposedRow {
+                    session: 6,
+                    tokens: vec![3],
+                    q: Some(vec![vec![0.0, 0.0, 0.0, 1.0]]),
+                    confidence: None,
+                },
+            ],
+        }),
+    }
+}
+
+fn late_capabilities() -> DrafterMsg {
+    DrafterMsg::Capabilities(Capabilities {
+        max_draft_len: 15,
+        prefill: PrefillMode::LeaveLastPending,
+        tap_layers: vec![1, 9, 17, 25, 33],
+        final_hidden: false,
+        kv_layers: vec![],
+    })
 }
 
 fn drafted() -> DrafterMsg {
@@ -176,6 +222,8 @@ fn golden_json_for_every_message() {
         );
     }
     golden("drafted", &drafted());
+    golden("proposed", &proposed());
+    golden("capabilities", &late_capabilities());
     golden(
         "goodbye",
         &DrafterMsg::Goodbye {
@@ -206,8 +254,153 @@ fn postcard_round_trip_over_a_real_channel() {
         assert_eq!(rx.recv().unwrap(), msg);
     }
     let (tx, rx) = ipc::channel::<DrafterMsg>().unwrap();
+    for msg in [drafted(), proposed(), late_capabilities()] {
+        tx.send(msg.clone()).unwrap();
+        assert_eq!(rx.recv().unwrap(), msg);
+    }
+}
+
+/// The 1.0 wire enums, frozen as a 1.0 peer compiled them (their payload structs did not change
+/// shape in 1.1). Decoding with them is what a 1.0 peer does.
+mod v1_0 {
+    use serde::{Deserialize, Serialize};
+    use specula_protocol::wire::{Close, Commit, Draft, Drafted, MapRegion, Open, Seq};
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub enum Request {
+        MapRegion(MapRegion),
+        Open(Open),
+        Draft(Draft),
+        Commit(Commit),
+        Close(Close),
+        Shutdown,
+    }
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub enum HostMsg {
+        Handshake(String),
+        Request { seq: Seq, request: Request },
+    }
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub enum Reply {
+        Drafted(Drafted),
+    }
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub enum DrafterMsg {
+        Goodbye { reason: String },
+        Reply { seq: Seq, reply: Reply },
+    }
+}
+
+#[test]
+fn a_1_0_peer_decodes_every_message_a_1_1_peer_may_send_it() {
+    let v1_0 = Version { major: 1, minor: 0 };
+    let (tx, rx) = ipc::channel::<HostMsg>().unwrap();
+    let rx: ipc::IpcReceiver<v1_0::HostMsg> = rx.to_opaque().to();
+    let mut sent = 0;
+    for (i, (name, request)) in requests().into_iter().enumerate() {
+        let msg = HostMsg::Request {
+            seq: i as u64,
+            request,
+        };
+        match check(&msg, v1_0) {
+            Ok(()) => {
+                tx.send(msg).unwrap();
+                let got = rx.recv().unwrap_or_else(|e| panic!("{name}: {e:?}"));
+                assert!(
+                    matches!(got, v1_0::HostMsg::Request { seq, .. } if seq == i as u64),
+                    "{name}: {got:?}"
+                );
+                sent += 1;
+            }
+            Err(Error::TooNew { message, .. }) => {
+                assert_eq!(message, "Advance", "only Advance is new in 1.1");
+                // Why the sender must refuse it: a 1.0 peer cannot decode it at all.
+                tx.send(msg).unwrap();
+                assert!(rx.recv().is_err(), "a 1.0 peer decoded a 1.1 message");
+            }
+            Err(e) => panic!("{name}: {e}"),
+        }
+    }
+    assert_eq!(sent, requests().len() - 1);
+    // Drafter → host: a 1.1 drafter at 1.0 may send Drafted and Goodbye, never the rest.
+    let (tx, rx) = ipc::channel::<DrafterMsg>().unwrap();
+    let rx: ipc::IpcReceiver<v1_0::DrafterMsg> = rx.to_opaque().to();
+    check(&drafted(), v1_0).unwrap();
     tx.send(drafted()).unwrap();
-    assert_eq!(rx.recv().unwrap(), drafted());
+    assert!(matches!(
+        rx.recv().unwrap(),
+        v1_0::DrafterMsg::Reply { seq: 41, .. }
+    ));
+    for newer in [proposed(), late_capabilities()] {
+        assert!(check(&newer, v1_0).is_err(), "{newer:?} is 1.1");
+    }
+}
+
+#[test]
+fn a_1_1_peer_decodes_a_1_0_peers_messages() {
+    let (tx, rx) = ipc::channel::<v1_0::DrafterMsg>().unwrap();
+    let rx: ipc::IpcReceiver<DrafterMsg> = rx.to_opaque().to();
+    let DrafterMsg::Reply { reply, .. } = drafted() else {
+        unreachable!()
+    };
+    let Reply::Drafted(d) = reply else {
+        unreachable!()
+    };
+    tx.send(v1_0::DrafterMsg::Reply {
+        seq: 3,
+        reply: v1_0::Reply::Drafted(d.clone()),
+    })
+    .unwrap();
+    let got = rx.recv().unwrap();
+    assert_eq!(
+        got,
+        DrafterMsg::Reply {
+            seq: 3,
+            reply: Reply::Drafted(d)
+        }
+    );
+    let (tx, rx) = ipc::channel::<v1_0::HostMsg>().unwrap();
+    let rx: ipc::IpcReceiver<HostMsg> = rx.to_opaque().to();
+    tx.send(v1_0::HostMsg::Request {
+        seq: 1,
+        request: v1_0::Request::Close(Close { session: 2 }),
+    })
+    .unwrap();
+    assert_eq!(
+        rx.recv().unwrap(),
+        HostMsg::Request {
+            seq: 1,
+            request: Request::Close(Close { session: 2 })
+        }
+    );
+}
+
+#[test]
+fn a_1_0_hello_and_target_info_read_with_1_1_defaults() {
+    // What a 1.0 peer writes: none of the 1.1 fields.
+    let mut hello = serde_json::to_value(hello()).unwrap();
+    hello.as_object_mut().unwrap().remove("late_capabilities");
+    let hello: Hello = serde_json::from_value(hello).unwrap();
+    assert!(!hello.late_capabilities);
+    let mut info = serde_json::to_value(target()).unwrap();
+    for field in [
+        "rope_theta",
+        "rope_layout",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "tap_dtype",
+    ] {
+        info.as_object_mut().unwrap().remove(field);
+    }
+    let info: TargetInfo = serde_json::from_value(info).unwrap();
+    assert_eq!(
+        (info.rope_theta, info.rope_layout, info.tap_dtype),
+        (None, None, None)
+    );
+    assert_eq!(info.hidden_size, 896);
 }
 
 #[test]
@@ -239,7 +432,7 @@ fn sender_refuses_messages_newer_than_negotiated() {
         seq: 0,
         request: Request::Shutdown,
     };
-    // Every current message is 1.0: fine at 1.0 and at any later 1.x.
+    // A 1.0 message is fine at 1.0 and at any later 1.x.
     check(&msg, PROTOCOL_VERSION).unwrap();
     check(&msg, Version { major: 1, minor: 9 }).unwrap();
     // A peer of another major cannot read it.
@@ -264,11 +457,13 @@ fn sender_refuses_messages_newer_than_negotiated() {
             Version { major: 1, minor: 1 }
         }
     }
-    let err = check(&FromV1_1, PROTOCOL_VERSION).unwrap_err();
+    let v1_0 = Version { major: 1, minor: 0 };
+    let err = check(&FromV1_1, v1_0).unwrap_err();
     assert_eq!(
         err.to_string(),
         "message `FromV1_1` needs protocol 1.1 but 1.0 was negotiated"
     );
+    check(&FromV1_1, PROTOCOL_VERSION).unwrap();
     let (tx, rx) = ipc::channel::<HostMsg>().unwrap();
     let sender = Sender::new(tx, Version { major: 2, minor: 0 });
     assert!(sender.send(msg).is_err());

@@ -4,10 +4,12 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use specula_models::layers::RopeStyle;
 use specula_models::loader::LoadedModel;
 use specula_models::tokenizer::Tokenizer;
 use specula_models::Model;
-use specula_protocol::wire::TargetInfo;
+use specula_protocol::shm::DType;
+use specula_protocol::wire::{RopeLayout, TargetInfo};
 
 use crate::drafter::{ClientConfig, DrafterClient, DrafterSpec};
 
@@ -90,6 +92,24 @@ impl DrafterArgs {
     }
 }
 
+/// The layout the runtime rotates q/k in: GGUF llama files keep the converter's permuted rows
+/// (interleaved pairs), HF files and GGUF qwen keep halves. K rows handed to drafters are in it.
+fn rope_layout(model: &Model) -> RopeLayout {
+    let gguf = model
+        .weights_path()
+        .extension()
+        .is_some_and(|e| e == "gguf");
+    let style = match gguf {
+        true => specula_models::arch::spec(&model.config().model_type).map(|s| s.gguf_rope),
+        false => Ok(RopeStyle::HalfSplit),
+    };
+    match style {
+        Ok(RopeStyle::Interleaved) => RopeLayout::Interleaved,
+        // A loaded model always has a known architecture.
+        Ok(RopeStyle::HalfSplit) | Err(_) => RopeLayout::Halves,
+    }
+}
+
 /// What a drafter learns about the target in the handshake.
 pub fn target_info(model: &Model, tokenizer: &Tokenizer) -> TargetInfo {
     let config = model.config();
@@ -104,5 +124,11 @@ pub fn target_info(model: &Model, tokenizer: &Tokenizer) -> TargetInfo {
         eos_ids: tokenizer.eos_ids().to_vec(),
         weights_path: model.weights_path().display().to_string(),
         context_len: model.context_len() as u32,
+        rope_theta: Some(config.rope_theta as f32),
+        rope_layout: Some(rope_layout(model)),
+        rms_norm_eps: Some(config.rms_norm_eps as f32),
+        tie_word_embeddings: Some(config.tie_word_embeddings),
+        // The host writes taps as f32 (the runtime computes activations in f32).
+        tap_dtype: Some(DType::F32),
     }
 }

@@ -146,7 +146,11 @@ impl DraftSession {
             self.cached.push(id);
         }
         let q = matches!(self.pick, Pick::Sample(_)).then_some(q);
-        Ok(Proposal { tokens: drafts, q })
+        Ok(Proposal {
+            tokens: drafts,
+            q,
+            confidence: None,
+        })
     }
 
     /// Gives the cache back as a checkpoint of the ids it holds.

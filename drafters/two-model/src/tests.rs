@@ -175,6 +175,7 @@ fn target(fingerprint: &str, vocab_size: u32) -> TargetInfo {
         eos_ids: vec![2],
         weights_path: String::new(),
         context_len: 64,
+        ..TargetInfo::default()
     }
 }
 

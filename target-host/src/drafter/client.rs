@@ -15,17 +15,21 @@ use std::time::Instant;
 use ipc_channel::TryRecvError;
 use specula_models::sampling::SamplingParams;
 use specula_protocol::shm::{KvView, ShmWriter, TapViews};
+use specula_protocol::version::Version;
 use specula_protocol::wire::{
-    Capabilities, Close, Commit, Draft as DraftRequest, DraftRow, DrafterMsg, Open, Reply, Request,
-    SamplingSpec, TargetInfo,
+    Advance, Capabilities, Close, Commit, Draft as DraftRequest, DraftRow, DrafterMsg, Open,
+    Proposed, Request, SamplingSpec, TargetInfo,
 };
 use tracing::{debug, warn};
 
 use super::handshake::Connection;
 use super::supervisor::Supervisor;
-use super::validate::validate;
+use super::validate::validate_rows;
 use super::{ClientConfig, DrafterError, DrafterSpec, DrafterState, DrafterStats};
 use crate::proposer::{Draft, DraftBatch, Health, Proposer, SessionId, TapRows, Verdict, Wants};
+
+/// The version that brought `Advance`.
+const ADVANCE: Version = Version { major: 1, minor: 1 };
 
 /// What the client remembers of a session, to re-open it on a fresh drafter.
 #[derive(Debug)]
@@ -340,34 +344,39 @@ impl Proposer for DrafterClient {
         };
         self.record_rtt(sent_at);
         self.pace.answered(max);
-        if drafted.rows.len() != rows.len() {
-            self.discard(&format!(
-                "{} rows for a request of {}",
-                drafted.rows.len(),
-                rows.len()
-            ));
-            return empty;
-        }
         // Rows come back in the order asked; asks for unknown sessions were not sent.
-        let mut replies = drafted.rows.into_iter();
+        let sent: Vec<(SessionId, usize)> = batch
+            .asks
+            .iter()
+            .zip(&asked)
+            .filter(|(_, &n)| n > 0)
+            .map(|(a, &n)| (a.session, n))
+            .collect();
+        let rows = match validate_rows(drafted, &sent, self.target.vocab_size) {
+            Ok(rows) => rows,
+            Err(reason) => {
+                self.discard(&reason);
+                return empty;
+            }
+        };
+        let mut rows = rows.into_iter();
         let mut out = Vec::with_capacity(batch.asks.len());
-        for (ask, &n) in batch.asks.iter().zip(&asked) {
+        for &n in &asked {
             if n == 0 {
                 out.push(Draft::default());
                 continue;
             }
-            let row = replies
+            match rows
                 .next()
-                .expect("invariant: one reply row per sent row");
-            let one = specula_protocol::wire::Drafted { rows: vec![row] };
-            match validate(one, ask.session, n, self.target.vocab_size) {
-                Ok(draft) => {
+                .expect("invariant: one checked row per sent row")
+            {
+                Ok(row) => {
                     self.bad_in_row = 0;
-                    self.stats.drafted += draft.tokens.len() as u64;
+                    self.stats.drafted += row.tokens.len() as u64;
                     out.push(Draft {
-                        tokens: draft.tokens,
-                        q: draft.q,
-                        confidence: None,
+                        tokens: row.tokens,
+                        q: row.q,
+                        confidence: row.confidence,
                     });
                 }
                 Err(reason) => {
@@ -407,12 +416,32 @@ impl Proposer for DrafterClient {
             return;
         };
         mirror.context.extend_from_slice(ids);
-        // A protocol 1.0 peer hears these ids as the `new_tokens` of its next draft row; the
-        // taps of their rows have no message to travel in.
-        mirror.unheard.extend_from_slice(ids);
-        if taps.is_some() && self.caps.wants_activations() {
-            self.stats.taps_undelivered += 1;
+        let speaks_advance = self
+            .sup
+            .connection()
+            .is_some_and(|c| c.tx.version() >= ADVANCE);
+        if !speaks_advance {
+            // A protocol 1.0 peer hears these ids as the `new_tokens` of its next draft row;
+            // the taps of their rows have no message to travel in.
+            mirror.unheard.extend_from_slice(ids);
+            if taps.is_some() && self.caps.wants_activations() {
+                self.stats.taps_undelivered += 1;
+            }
+            return;
         }
+        let mut undelivered = 0;
+        self.send(|conn, target| {
+            let taps = match (&mut conn.region, taps) {
+                (Some(region), Some(taps)) => write_taps(region, taps, target, &mut undelivered),
+                _ => None,
+            };
+            Request::Advance(Advance {
+                session,
+                ids: ids.to_vec(),
+                taps,
+            })
+        });
+        self.stats.taps_undelivered += undelivered;
     }
 
     fn close(&mut self, session: SessionId) {
@@ -432,16 +461,20 @@ impl Proposer for DrafterClient {
 impl DrafterClient {
     /// Waits until `deadline` for the reply to `seq`; handles whatever else arrives (late
     /// replies, the probe's reply, a goodbye, a broken channel).
-    fn recv(&mut self, seq: u64, deadline: Instant) -> Option<specula_protocol::wire::Drafted> {
+    fn recv(&mut self, seq: u64, deadline: Instant) -> Option<Proposed> {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let conn = self.sup.connection()?;
             match conn.rx.try_recv_timeout(left) {
-                Ok(DrafterMsg::Reply {
-                    seq: got,
-                    reply: Reply::Drafted(drafted),
-                }) if got == seq => return Some(drafted),
+                Ok(DrafterMsg::Reply { seq: got, reply }) if got == seq => {
+                    return Some(reply.into_proposed())
+                }
                 Ok(DrafterMsg::Reply { seq: got, .. }) => self.late(got),
+                Ok(DrafterMsg::Capabilities(_)) => {
+                    self.sup
+                        .restart("the drafter sent capabilities after the handshake");
+                    return None;
+                }
                 Ok(DrafterMsg::Goodbye { reason }) => {
                     self.sup
                         .restart(&format!("the drafter said goodbye: {reason}"));
@@ -482,6 +515,11 @@ impl DrafterClient {
             };
             match conn.rx.try_recv() {
                 Ok(DrafterMsg::Reply { seq, .. }) => self.late(seq),
+                Ok(DrafterMsg::Capabilities(_)) => {
+                    self.sup
+                        .restart("the drafter sent capabilities after the handshake");
+                    return;
+                }
                 Ok(DrafterMsg::Goodbye { reason }) => {
                     self.sup
                         .restart(&format!("the drafter said goodbye: {reason}"));

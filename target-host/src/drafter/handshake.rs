@@ -6,6 +6,7 @@
 //!          ◀── Connect { Hello, sender }
 //! negotiate: no shared major → Refused { both versions }, error
 //! Welcome { version, TargetInfo } ──▶    accept_target? no → Goodbye { reason }
+//!          ◀── Capabilities (≥ 1.1, when the Hello set late_capabilities; replace the Hello's)
 //! MapRegion (when it wants taps) ──▶
 //! Draft { rows: [] } (seq 0)     ──▶     (an empty draft is a ping)
 //!          ◀── Drafted { seq 0 }         ready
@@ -18,9 +19,10 @@ use ipc_channel::ipc::{IpcReceiver, IpcSender};
 use ipc_channel::TryRecvError;
 use specula_protocol::shm::ShmWriter;
 use specula_protocol::transport::{Accepted, Bootstrap, Sender};
-use specula_protocol::version::{self, PROTOCOL_VERSION};
+use specula_protocol::version::{self, Version, PROTOCOL_VERSION};
 use specula_protocol::wire::{
-    Draft, DrafterMsg, HandshakeReply, Hello, HostMsg, MapRegion, Request, Seq, TargetInfo, Welcome,
+    Capabilities, Draft, DrafterMsg, HandshakeReply, Hello, HostMsg, MapRegion, Request, Seq,
+    TargetInfo, Welcome,
 };
 use tracing::info;
 
@@ -109,7 +111,13 @@ pub fn connect(
         refuse(&accepted, &err);
         return Err(err);
     };
-    if let Err(reason) = check_capabilities(&hello, target) {
+    // A drafter with late capabilities may announce placeholders in its Hello; its real ones are
+    // checked when they come.
+    let early = match hello.late_capabilities && version >= LATE_CAPABILITIES {
+        true => Ok(()),
+        false => check_capabilities(&hello.capabilities, target),
+    };
+    if let Err(reason) = early {
         let err = DrafterError::BadCapabilities {
             drafter: hello.name.clone(),
             reason,
@@ -127,6 +135,15 @@ pub fn connect(
             op: "send Welcome",
             source,
         })?;
+    let mut hello = hello;
+    if hello.late_capabilities && version >= LATE_CAPABILITIES {
+        let caps = late_capabilities(&accepted, &mut child, &hello.name, until, config)?;
+        check_capabilities(&caps, target).map_err(|reason| DrafterError::BadCapabilities {
+            drafter: hello.name.clone(),
+            reason,
+        })?;
+        hello.capabilities = caps;
+    }
     let region = match hello.capabilities.wants_activations() {
         true => Some(ShmWriter::new(0, config.region_bytes).map_err(|source| {
             DrafterError::Protocol {
@@ -150,7 +167,9 @@ pub fn connect(
             region: region.id(),
             shm: region.handle(),
         };
-        conn.send(Request::MapRegion(map))?;
+        if let Err(e) = conn.send(Request::MapRegion(map)) {
+            return Err(goodbye_or(&conn, e));
+        }
     }
     ping(&mut conn, until, config)?;
     info!(
@@ -170,8 +189,41 @@ fn refuse(accepted: &Accepted, err: &DrafterError) {
     let _ = accepted.reply(&reply);
 }
 
-fn check_capabilities(hello: &Hello, target: &TargetInfo) -> Result<(), String> {
-    let caps = &hello.capabilities;
+/// The version that brought `DrafterMsg::Capabilities`.
+const LATE_CAPABILITIES: Version = Version { major: 1, minor: 1 };
+
+/// Waits (until the handshake deadline) for the capabilities a drafter states after `Welcome`.
+fn late_capabilities(
+    accepted: &Accepted,
+    child: &mut ChildGuard,
+    name: &str,
+    until: Instant,
+    config: &ClientConfig,
+) -> Result<Capabilities, DrafterError> {
+    let left = until.saturating_duration_since(Instant::now());
+    match accepted.from_drafter.try_recv_timeout(left) {
+        Ok(DrafterMsg::Capabilities(caps)) => Ok(caps),
+        Ok(DrafterMsg::Goodbye { reason }) => Err(DrafterError::Refused {
+            drafter: name.to_string(),
+            reason,
+        }),
+        Ok(DrafterMsg::Reply { seq, .. }) => Err(DrafterError::BadCapabilities {
+            drafter: name.to_string(),
+            reason: format!("a reply (seq {seq}) before its capabilities"),
+        }),
+        Err(TryRecvError::Empty) => Err(DrafterError::HandshakeTimeout {
+            path: child.path().to_path_buf(),
+            after: config.handshake_timeout,
+        }),
+        Err(TryRecvError::IpcError(_)) => {
+            let status = child.wait_for(Duration::from_millis(200));
+            let status = status.map_or("still running".to_string(), |s| s.to_string());
+            Err(exited(child, status))
+        }
+    }
+}
+
+fn check_capabilities(caps: &Capabilities, target: &TargetInfo) -> Result<(), String> {
     if caps.max_draft_len == 0 {
         return Err("max_draft_len is 0".to_string());
     }
@@ -253,9 +305,24 @@ fn exited(child: &mut ChildGuard, status: String) -> DrafterError {
     }
 }
 
+/// A send failed because the drafter is gone: its `Goodbye`, when it said one before leaving,
+/// explains why better than the broken channel does.
+fn goodbye_or(conn: &Connection, err: DrafterError) -> DrafterError {
+    match conn.rx.try_recv_timeout(Duration::from_millis(100)) {
+        Ok(DrafterMsg::Goodbye { reason }) => DrafterError::Refused {
+            drafter: conn.hello.name.clone(),
+            reason,
+        },
+        _ => err,
+    }
+}
+
 /// Sends an empty draft and waits for its reply: the drafter accepted the target and serves.
 fn ping(conn: &mut Connection, until: Instant, config: &ClientConfig) -> Result<(), DrafterError> {
-    let seq = conn.send(Request::Draft(Draft { rows: Vec::new() }))?;
+    let seq = match conn.send(Request::Draft(Draft { rows: Vec::new() })) {
+        Ok(seq) => seq,
+        Err(e) => return Err(goodbye_or(conn, e)),
+    };
     loop {
         let left = until.saturating_duration_since(Instant::now());
         match conn.rx.try_recv_timeout(left) {
@@ -265,6 +332,12 @@ fn ping(conn: &mut Connection, until: Instant, config: &ClientConfig) -> Result<
                 return Err(DrafterError::Refused {
                     drafter: conn.hello.name.clone(),
                     reason,
+                })
+            }
+            Ok(DrafterMsg::Capabilities(_)) => {
+                return Err(DrafterError::BadCapabilities {
+                    drafter: conn.hello.name.clone(),
+                    reason: "capabilities sent without late_capabilities in its Hello".into(),
                 })
             }
             Err(TryRecvError::Empty) => {

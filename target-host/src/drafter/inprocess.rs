@@ -4,7 +4,9 @@
 use std::collections::HashMap;
 
 use specula_models::sampling::SamplingParams;
-use specula_protocol::sdk::{CommitArgs, Drafter, OpenArgs, Taps};
+use specula_protocol::sdk::{
+    AdvanceArgs, Advanced, CommitArgs, DraftAsk as SdkAsk, Drafter, OpenArgs, Taps,
+};
 
 use super::client::sampling_spec;
 use crate::proposer::{Draft, DraftBatch, Proposer, SessionId, TapRows, Verdict, Wants};
@@ -12,8 +14,9 @@ use crate::proposer::{Draft, DraftBatch, Proposer, SessionId, TapRows, Verdict, 
 /// An in-process drafter. Like the SDK, it caps every draft at `n` and at the drafter's
 /// `max_draft_len`; unlike a process, it cannot crash independently or miss a deadline.
 ///
-/// Ids committed without drafts ([`Proposer::advance`]) reach the drafter as a protocol 1.0
-/// peer hears them: as the `new_tokens` of its next draft (their taps are not delivered).
+/// Ids committed without drafts ([`Proposer::advance`]) reach the drafter's `advance` with their
+/// taps, as a protocol 1.1 peer gets them; one that answers [`Advanced::AsNewTokens`] hears
+/// them as the `new_tokens` of its next draft.
 #[derive(Debug)]
 pub struct InProcess<D> {
     drafter: D,
@@ -38,14 +41,15 @@ impl<D: Drafter> InProcess<D> {
     }
 }
 
-fn taps(rows: &TapRows) -> Taps {
-    Taps {
-        pos: rows.pos as u64,
-        rows: rows.rows as u32,
-        layers: rows.layers.clone(),
-        final_hidden: rows.final_hidden.clone(),
-        kv: rows.kv.clone(),
-    }
+/// Borrows the host's tap rows as SDK views (no copy).
+fn taps(rows: &TapRows) -> Taps<'_> {
+    Taps::from_f32(
+        rows.pos as u64,
+        rows.rows as u32,
+        &rows.layers,
+        rows.final_hidden.as_deref(),
+        &rows.kv,
+    )
 }
 
 impl<D: Drafter + Send> Proposer for InProcess<D> {
@@ -78,24 +82,38 @@ impl<D: Drafter + Send> Proposer for InProcess<D> {
     }
 
     fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
-        batch
+        // Sessions never opened get no row, as the SDK's serve loop does.
+        let unheard: Vec<Option<Vec<u32>>> = batch
             .asks
             .iter()
-            .map(|ask| {
-                let Some(unheard) = self.unheard.get_mut(&ask.session) else {
+            .map(|a| self.unheard.get_mut(&a.session).map(std::mem::take))
+            .collect();
+        let asks: Vec<SdkAsk<'_>> = batch
+            .asks
+            .iter()
+            .zip(&unheard)
+            .filter_map(|(a, new)| {
+                new.as_deref().map(|new_tokens| SdkAsk {
+                    session: a.session,
+                    new_tokens,
+                    n: a.n.min(self.max_draft_len),
+                })
+            })
+            .collect();
+        let mut proposals = self.drafter.draft_batch(&asks).into_iter();
+        let mut asks = asks.iter();
+        unheard
+            .iter()
+            .map(|new| {
+                let (Some(_), Some(ask)) = (new, asks.next()) else {
                     return Draft::default();
                 };
-                let new_tokens = std::mem::take(unheard);
-                let n = ask.n.min(self.max_draft_len);
-                let mut p = self.drafter.draft(ask.session, &new_tokens, n);
-                p.tokens.truncate(n);
-                if let Some(q) = &mut p.q {
-                    q.truncate(p.tokens.len());
-                }
+                let mut p = proposals.next().unwrap_or_default();
+                p.truncate(ask.n);
                 Draft {
                     tokens: p.tokens,
                     q: p.q,
-                    confidence: None,
+                    confidence: p.confidence,
                 }
             })
             .collect()
@@ -114,9 +132,18 @@ impl<D: Drafter + Send> Proposer for InProcess<D> {
         self.drafter.commit(session, args);
     }
 
-    fn advance(&mut self, session: SessionId, ids: &[u32], _taps: Option<&TapRows>) {
-        if let Some(unheard) = self.unheard.get_mut(&session) {
-            unheard.extend_from_slice(ids);
+    fn advance(&mut self, session: SessionId, ids: &[u32], taps_rows: Option<&TapRows>) {
+        if !self.unheard.contains_key(&session) {
+            return;
+        }
+        let args = AdvanceArgs {
+            ids,
+            taps: taps_rows.map(taps),
+        };
+        if self.drafter.advance(session, args) == Advanced::AsNewTokens {
+            if let Some(unheard) = self.unheard.get_mut(&session) {
+                unheard.extend_from_slice(ids);
+            }
         }
     }
 

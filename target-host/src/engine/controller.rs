@@ -294,9 +294,15 @@ mod tests {
         }
         let mut t = cpu();
         t.observe(8, 57.0);
-        assert!((t.cost(8) - 57.0).abs() < 1e-9, "the first measurement replaces the guess");
+        assert!(
+            (t.cost(8) - 57.0).abs() < 1e-9,
+            "the first measurement replaces the guess"
+        );
         t.observe(8, 37.0);
-        assert!((t.cost(8) - 53.0).abs() < 1e-9, "then an EMA moves 20% toward 37");
+        assert!(
+            (t.cost(8) - 53.0).abs() < 1e-9,
+            "then an EMA moves 20% toward 37"
+        );
         // A machine 4x faster than profiled: unmeasured sizes follow.
         let mut t = cpu();
         for _ in 0..40 {

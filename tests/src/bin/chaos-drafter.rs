@@ -12,15 +12,19 @@
 //! - `nan-q`: proposes with `q` rows full of NaN;
 //! - `refuse-target`: says Goodbye after Welcome;
 //! - `taps-check`: asks for layer taps, the final hidden and KV rows, and appends to `--out` one
-//!   line per Open/Commit: `open|commit SESSION ROWS CHECKSUM` (FNV-1a over the f32 bits of every
-//!   tensor, in message order) or `open|commit SESSION torn`.
+//!   line per Open/Commit/Advance: `open|commit|advance SESSION ROWS CHECKSUM` (FNV-1a over the
+//!   f32 bits of every tensor, in message order) or `open|commit|advance SESSION torn`;
+//! - `late-caps`: like `taps-check`, but its Hello asks for nothing and sets
+//!   `late_capabilities`; after Welcome it asks for the target's last layer and the final hidden;
+//! - `late-caps-bad`: states late capabilities asking for layer `num_layers` (out of range);
+//! - `late-caps-silent`: sets `late_capabilities` and never states them.
 
 use std::io::Write;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use specula_protocol::sdk::Taps;
+use specula_protocol::sdk::OwnedTaps;
 use specula_protocol::shm::{ShmReader, TapViews};
 use specula_protocol::transport::{self, Sender, BOOTSTRAP_ENV};
 use specula_protocol::wire::*;
@@ -61,6 +65,9 @@ fn parse() -> Result<Args> {
         "nan-q",
         "refuse-target",
         "taps-check",
+        "late-caps",
+        "late-caps-bad",
+        "late-caps-silent",
     ];
     if !MODES.contains(&args.mode.as_str()) {
         bail!("--mode must be one of {MODES:?}, got {:?}", args.mode);
@@ -69,7 +76,7 @@ fn parse() -> Result<Args> {
 }
 
 /// FNV-1a over the bit patterns: any changed bit changes the sum.
-fn checksum(taps: &Taps) -> u64 {
+fn checksum(taps: &OwnedTaps) -> u64 {
     let tensors = taps
         .layers
         .iter()
@@ -80,11 +87,11 @@ fn checksum(taps: &Taps) -> u64 {
     })
 }
 
-fn read(region: Option<&ShmReader>, views: &TapViews) -> specula_protocol::Result<Taps> {
+fn read(region: Option<&ShmReader>, views: &TapViews) -> specula_protocol::Result<OwnedTaps> {
     let region = region.ok_or(specula_protocol::Error::Violation {
         reason: "taps before MapRegion".into(),
     })?;
-    Ok(Taps {
+    Ok(OwnedTaps {
         pos: views.pos,
         rows: views.rows,
         layers: views
@@ -119,6 +126,7 @@ fn run() -> Result<()> {
     let args = parse()?;
     let bootstrap = std::env::var(BOOTSTRAP_ENV).context("started without a host")?;
     let taps = args.mode == "taps-check";
+    let late = args.mode.starts_with("late-caps");
     let hello = Hello {
         versions: match args.mode.as_str() {
             "wrong-major" => vec![Version { major: 2, minor: 0 }],
@@ -133,6 +141,7 @@ fn run() -> Result<()> {
             final_hidden: taps,
             kv_layers: if taps { vec![1] } else { vec![] },
         },
+        late_capabilities: late,
     };
     let connected = transport::connect(&bootstrap, &hello).context("connect")?;
     let welcome = match connected.reply {
@@ -145,6 +154,19 @@ fn run() -> Result<()> {
             reason: "chaos refuses every target".into(),
         })?;
         bail!("refused the target");
+    }
+    let last = welcome.target.num_layers.saturating_sub(1);
+    let late_caps = |tap_layers| Capabilities {
+        max_draft_len: 8,
+        prefill: PrefillMode::LeaveLastPending,
+        tap_layers,
+        final_hidden: true,
+        kv_layers: vec![],
+    };
+    match args.mode.as_str() {
+        "late-caps" => tx.send(DrafterMsg::Capabilities(late_caps(vec![last])))?,
+        "late-caps-bad" => tx.send(DrafterMsg::Capabilities(late_caps(vec![last + 1])))?,
+        _ => {}
     }
     let vocab = welcome.target.vocab_size;
     let mut out = match &args.out {
@@ -177,6 +199,7 @@ fn run() -> Result<()> {
             Request::MapRegion(m) => region = Some(ShmReader::new(m.region, m.shm)?),
             Request::Open(o) => log("open", o.session, &o.prompt_taps)?,
             Request::Commit(c) => log("commit", c.session, &c.taps)?,
+            Request::Advance(a) => log("advance", a.session, &a.taps)?,
             Request::Close(_) => {}
             Request::Shutdown => return Ok(()),
             Request::Draft(d) => {

@@ -35,6 +35,7 @@ fn main() -> Result<()> {
         eos_ids: vec![0],
         weights_path: String::new(),
         context_len: 32768,
+        ..TargetInfo::default()
     };
     let mut client =
         DrafterClient::start(DrafterSpec::new(drafter), target, ClientConfig::default())?;

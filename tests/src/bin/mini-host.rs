@@ -27,6 +27,7 @@ fn target() -> TargetInfo {
         eos_ids: vec![0],
         weights_path: String::new(),
         context_len: 4096,
+        ..TargetInfo::default()
     }
 }
 

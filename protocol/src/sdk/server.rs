@@ -1,0 +1,245 @@
+//! The SDK's request loop: maps regions, keeps the open sessions (and the ids an `Advance` left
+//! for the next draft), turns views into borrowed [`Taps`], caps proposals and answers in the
+//! form the negotiated version reads.
+
+use std::collections::HashMap;
+
+use ipc_channel::ipc::IpcReceiver;
+use ipc_channel::IpcError;
+use tracing::{debug, warn};
+
+use super::{
+    AdvanceArgs, Advanced, CommitArgs, DraftAsk, Drafter, OpenArgs, Outcome, Proposal, Taps,
+};
+use crate::error::{Error, Result};
+use crate::shm::{RegionId, ShmReader, TapViews, TensorView};
+use crate::transport::Sender;
+use crate::version::Version;
+use crate::wire::{
+    Draft, Drafted, DraftedRow, DrafterMsg, HostMsg, Proposed, ProposedRow, Reply, Request,
+    SessionId,
+};
+
+/// The version that brought [`Reply::Proposed`].
+const PROPOSED: Version = Version { major: 1, minor: 1 };
+
+pub(super) struct Server<D> {
+    drafter: D,
+    max_draft_len: usize,
+    to_host: Sender<DrafterMsg>,
+    regions: HashMap<RegionId, ShmReader>,
+    /// Open sessions, each with the ids an `Advance` left for its next draft.
+    sessions: HashMap<SessionId, Vec<u32>>,
+}
+
+impl<D: Drafter> Server<D> {
+    pub(super) fn new(drafter: D, max_draft_len: usize, to_host: Sender<DrafterMsg>) -> Self {
+        Server {
+            drafter,
+            max_draft_len,
+            to_host,
+            regions: HashMap::new(),
+            sessions: HashMap::new(),
+        }
+    }
+
+    pub(super) fn serve(mut self, from_host: &IpcReceiver<HostMsg>) -> Result<Outcome> {
+        loop {
+            let msg = match from_host.recv() {
+                Ok(msg) => msg,
+                Err(IpcError::Disconnected) => return Ok(Outcome::HostGone),
+                Err(source) => {
+                    return Err(Error::Transport {
+                        op: "receive a request",
+                        source,
+                    })
+                }
+            };
+            let HostMsg::Request { seq, request } = msg else {
+                return Err(Error::Violation {
+                    reason: "a second handshake reply".to_string(),
+                });
+            };
+            if let Request::Shutdown = request {
+                return Ok(Outcome::Shutdown);
+            }
+            match self.handle(seq, request) {
+                // The host went away while we answered: a normal end.
+                Err(Error::Transport { .. }) => return Ok(Outcome::HostGone),
+                other => other?,
+            }
+        }
+    }
+
+    fn handle(&mut self, seq: u64, request: Request) -> Result<()> {
+        match request {
+            Request::MapRegion(map) => {
+                let reader = ShmReader::new(map.region, map.shm)?;
+                self.regions.insert(map.region, reader);
+            }
+            Request::Open(open) => {
+                if self.sessions.insert(open.session, Vec::new()).is_some() {
+                    // A re-open replaces the session (e.g. the host resent its context).
+                    self.drafter.close(open.session);
+                }
+                let args = OpenArgs {
+                    prompt: &open.prompt_ids,
+                    sampling: &open.sampling,
+                    taps: read_taps(&self.regions, open.prompt_taps.as_ref()),
+                };
+                self.drafter.open(open.session, args);
+            }
+            Request::Draft(draft) => self.draft(seq, &draft)?,
+            Request::Commit(commit) => {
+                if self.sessions.contains_key(&commit.session) {
+                    let args = CommitArgs {
+                        drafted: commit.drafted as usize,
+                        accepted: commit.accepted as usize,
+                        ids: &commit.accepted_ids,
+                        taps: read_taps(&self.regions, commit.taps.as_ref()),
+                    };
+                    self.drafter.commit(commit.session, args);
+                }
+            }
+            Request::Advance(advance) => {
+                if let Some(pending) = self.sessions.get_mut(&advance.session) {
+                    let args = AdvanceArgs {
+                        ids: &advance.ids,
+                        taps: read_taps(&self.regions, advance.taps.as_ref()),
+                    };
+                    match self.drafter.advance(advance.session, args) {
+                        Advanced::Taken => {}
+                        Advanced::AsNewTokens => pending.extend_from_slice(&advance.ids),
+                    }
+                }
+            }
+            Request::Close(close) => {
+                if self.sessions.remove(&close.session).is_some() {
+                    self.drafter.close(close.session);
+                }
+            }
+            Request::Shutdown => unreachable!("invariant: handled by the caller"),
+        }
+        Ok(())
+    }
+
+    /// Answers a `Draft`: one batched call for the rows of open sessions, nothing for others.
+    fn draft(&mut self, seq: u64, draft: &Draft) -> Result<()> {
+        // Ids left by `Advance` go first: they were committed before this row's own.
+        let mut new_tokens: Vec<Vec<u32>> = Vec::with_capacity(draft.rows.len());
+        let mut open = Vec::with_capacity(draft.rows.len());
+        for row in &draft.rows {
+            match self.sessions.get_mut(&row.session) {
+                Some(pending) => {
+                    let mut ids = std::mem::take(pending);
+                    ids.extend_from_slice(&row.new_tokens);
+                    new_tokens.push(ids);
+                    open.push(true);
+                }
+                None => {
+                    warn!(
+                        session = row.session,
+                        "draft for a session that is not open"
+                    );
+                    new_tokens.push(Vec::new());
+                    open.push(false);
+                }
+            }
+        }
+        let asks: Vec<DraftAsk<'_>> = draft
+            .rows
+            .iter()
+            .zip(&new_tokens)
+            .zip(&open)
+            .filter(|(_, &open)| open)
+            .map(|((row, ids), _)| DraftAsk {
+                session: row.session,
+                new_tokens: ids,
+                n: (row.n as usize).min(self.max_draft_len),
+            })
+            .collect();
+        let mut proposals = match asks.is_empty() {
+            true => Vec::new(),
+            false => self.drafter.draft_batch(&asks),
+        };
+        if proposals.len() != asks.len() {
+            warn!(
+                got = proposals.len(),
+                asked = asks.len(),
+                "draft_batch returned the wrong number of proposals; drafting nothing"
+            );
+            proposals = vec![Proposal::none(); asks.len()];
+        }
+        let mut proposals = proposals.into_iter().zip(asks);
+        let rows = draft.rows.iter().zip(&open).map(|(row, &open)| {
+            let p = match open {
+                true => {
+                    let (mut p, ask) = proposals.next().expect("invariant: one per open row");
+                    p.truncate(ask.n);
+                    p
+                }
+                false => Proposal::none(),
+            };
+            ProposedRow {
+                session: row.session,
+                tokens: p.tokens,
+                q: p.q,
+                confidence: p.confidence,
+            }
+        });
+        let proposed = Proposed {
+            rows: rows.collect(),
+        };
+        let reply = match self.to_host.version() >= PROPOSED {
+            true => Reply::Proposed(proposed),
+            false => Reply::Drafted(drafted(proposed)),
+        };
+        self.to_host.send(DrafterMsg::Reply { seq, reply })
+    }
+}
+
+/// The 1.0 form of a reply: confidences are dropped.
+fn drafted(p: Proposed) -> Drafted {
+    let rows = p.rows.into_iter().map(|r| DraftedRow {
+        session: r.session,
+        tokens: r.tokens,
+        q: r.q,
+    });
+    Drafted {
+        rows: rows.collect(),
+    }
+}
+
+/// Borrows every view; any torn or bad view drops the whole set (a partial set would misalign).
+fn read_taps<'a>(
+    regions: &'a HashMap<RegionId, ShmReader>,
+    views: Option<&TapViews>,
+) -> Option<Taps<'a>> {
+    let views = views?;
+    let view = |v: &TensorView| {
+        let reader = regions.get(&v.region).ok_or_else(|| Error::BadView {
+            reason: format!("region {} was never mapped", v.region),
+        })?;
+        reader.view(v)
+    };
+    let taps = (|| -> Result<Taps<'a>> {
+        Ok(Taps {
+            pos: views.pos,
+            rows: views.rows,
+            layers: views.layers.iter().map(view).collect::<Result<_>>()?,
+            final_hidden: views.final_hidden.as_ref().map(view).transpose()?,
+            kv: views
+                .kv
+                .iter()
+                .map(|kv| Ok((view(&kv.k)?, view(&kv.v)?)))
+                .collect::<Result<_>>()?,
+        })
+    })();
+    match taps {
+        Ok(taps) => Some(taps),
+        Err(e) => {
+            debug!(error = %e, "taps dropped");
+            None
+        }
+    }
+}
