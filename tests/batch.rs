@@ -69,7 +69,7 @@ fn batch(
 ) -> Vec<Generation> {
     let slot = ProposerSlot::new(proposer);
     let results: Results = Arc::new(Mutex::new(vec![None; reqs.len()]));
-    let mut core = Core::new(&loaded.model, &loaded.tokenizer, &slot, config);
+    let mut core = Core::new(&loaded.model, &loaded.tokenizer, &slot, config).expect("core");
     for (i, req) in reqs.iter().enumerate() {
         let sink = Keep {
             results: results.clone(),

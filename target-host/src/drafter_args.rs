@@ -100,13 +100,14 @@ fn rope_layout(model: &Model) -> RopeLayout {
         .extension()
         .is_some_and(|e| e == "gguf");
     let style = match gguf {
-        true => specula_models::arch::spec(&model.config().model_type).map(|s| s.gguf_rope),
-        false => Ok(RopeStyle::HalfSplit),
+        true => specula_models::arch::llama::Switches::of(&model.config().model_type)
+            .map(|s| s.gguf_rope),
+        false => Some(RopeStyle::HalfSplit),
     };
     match style {
-        Ok(RopeStyle::Interleaved) => RopeLayout::Interleaved,
+        Some(RopeStyle::Interleaved) => RopeLayout::Interleaved,
         // A loaded model always has a known architecture.
-        Ok(RopeStyle::HalfSplit) | Err(_) => RopeLayout::Halves,
+        Some(RopeStyle::HalfSplit) | None => RopeLayout::Halves,
     }
 }
 

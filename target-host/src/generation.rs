@@ -164,7 +164,7 @@ pub fn generate(
         profile: config.profile && matches!(req.speculation, Speculation::Adaptive { .. }),
         ..config.clone()
     };
-    let mut core = Core::new(model, tokenizer, slot, config);
+    let mut core = Core::new(model, tokenizer, slot, config)?;
     let one = OneSink {
         sink,
         result: &mut result,

@@ -33,6 +33,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use specula_models::chat::ChatTemplate;
+use specula_models::kv_pool::{PoolStats, BLOCK_SIZE};
 use specula_models::loader::LoadedModel;
 use specula_models::tokenizer::Tokenizer;
 use specula_models::Model;
@@ -132,6 +133,7 @@ pub struct Counters {
     pool_capacity: AtomicUsize,
     pool_reserved: AtomicUsize,
     pool_used: AtomicUsize,
+    pool_cached: AtomicUsize,
     steps: AtomicU64,
     batch_rows: AtomicU64,
     last_batch_rows: AtomicUsize,
@@ -155,8 +157,10 @@ pub struct EngineCounters {
     pub pool_capacity: usize,
     /// Positions reserved by running sequences.
     pub pool_reserved: usize,
-    /// Positions holding K/V now.
+    /// Positions in blocks referenced by running sequences (whole blocks).
     pub pool_used: usize,
+    /// Positions in unreferenced blocks kept for the prefix cache (evictable).
+    pub pool_cached: usize,
     /// Steps run.
     pub steps: u64,
     /// Target rows over all steps.
@@ -171,7 +175,7 @@ pub struct EngineCounters {
     pub last_mean_k: f64,
     /// Sequences finished.
     pub finished: u64,
-    /// Prefix-cache lookups (one per admitted prompt).
+    /// Prompt positions (in full blocks) looked up in the prefix cache.
     pub prefix_lookups: u64,
     /// Prompt positions served from the prefix cache.
     pub prefix_hit_tokens: u64,
@@ -185,11 +189,18 @@ impl Counters {
             .store(limits.pool_tokens, Ordering::Relaxed);
     }
 
-    fn publish(&self, running: usize, waiting: usize, reserved: usize, used: usize) {
+    fn publish(&self, running: usize, waiting: usize, reserved: usize, pool: &PoolStats) {
         self.running.store(running, Ordering::Relaxed);
         self.waiting.store(waiting, Ordering::Relaxed);
         self.pool_reserved.store(reserved, Ordering::Relaxed);
-        self.pool_used.store(used, Ordering::Relaxed);
+        self.pool_used
+            .store(pool.used_blocks * BLOCK_SIZE, Ordering::Relaxed);
+        self.pool_cached
+            .store(pool.cached_blocks * BLOCK_SIZE, Ordering::Relaxed);
+        self.prefix_lookups
+            .store(pool.prefix_query_tokens, Ordering::Relaxed);
+        self.prefix_hit_tokens
+            .store(pool.prefix_hit_tokens, Ordering::Relaxed);
     }
 
     fn step(&self, rows: usize, ks: &[usize]) {
@@ -222,6 +233,7 @@ impl Counters {
             pool_capacity: r(&self.pool_capacity),
             pool_reserved: r(&self.pool_reserved),
             pool_used: r(&self.pool_used),
+            pool_cached: r(&self.pool_cached),
             steps: q(&self.steps),
             batch_rows: q(&self.batch_rows),
             last_batch_rows: r(&self.last_batch_rows),
@@ -365,8 +377,11 @@ impl Engine {
                         max_waiting: usize::MAX,
                         ..config
                     };
-                    let mut core = Core::with_counters(&model, &tokenizer, &slot, config, counters);
-                    worker(&mut core, &rx, &outstanding, &durations);
+                    match Core::with_counters(&model, &tokenizer, &slot, config, counters) {
+                        Ok(mut core) => worker(&mut core, &rx, &outstanding, &durations),
+                        // Dropping the queue answers every submit with "the engine has stopped".
+                        Err(e) => tracing::error!("the engine cannot start: {e:#}"),
+                    }
                 })
                 .expect("invariant: the OS can spawn the engine thread");
         }
@@ -520,7 +535,7 @@ impl EngineCounters {
     /// Appends the counters to `out` in the Prometheus text format.
     pub fn render(&self, out: &mut String) {
         use std::fmt::Write;
-        let series: [(&str, &str, &str, f64); 14] = [
+        let series: [(&str, &str, &str, f64); 15] = [
             (
                 "specula_engine_running",
                 "gauge",
@@ -548,8 +563,14 @@ impl EngineCounters {
             (
                 "specula_kv_pool_used_tokens",
                 "gauge",
-                "KV positions holding K/V.",
+                "KV positions in blocks of running sequences.",
                 self.pool_used as f64,
+            ),
+            (
+                "specula_kv_pool_cached_tokens",
+                "gauge",
+                "KV positions cached for prefix reuse (evictable).",
+                self.pool_cached as f64,
             ),
             (
                 "specula_engine_steps_total",
@@ -588,9 +609,9 @@ impl EngineCounters {
                 self.last_mean_k,
             ),
             (
-                "specula_prefix_cache_lookups_total",
+                "specula_prefix_cache_query_tokens_total",
                 "counter",
-                "Prompts looked up in the prefix cache.",
+                "Prompt positions (full blocks) looked up in the prefix cache.",
                 self.prefix_lookups as f64,
             ),
             (

@@ -74,23 +74,29 @@ pub struct Core<'a> {
 impl<'a> Core<'a> {
     /// An engine core over `model`, drafting through `slot`. Profiles the forward cost for the
     /// controller first (a few short forwards) when `config.profile` is set.
+    ///
+    /// # Errors
+    /// The KV pool cannot be made.
     pub fn new(
         model: &'a Model,
         tokenizer: &'a Tokenizer,
         slot: &'a ProposerSlot,
         config: EngineConfig,
-    ) -> Self {
+    ) -> anyhow::Result<Self> {
         Self::with_counters(model, tokenizer, slot, config, Arc::default())
     }
 
     /// As [`Core::new`], publishing into `counters`.
+    ///
+    /// # Errors
+    /// The KV pool cannot be made.
     pub fn with_counters(
         model: &'a Model,
         tokenizer: &'a Tokenizer,
         slot: &'a ProposerSlot,
         config: EngineConfig,
         counters: Arc<Counters>,
-    ) -> Self {
+    ) -> anyhow::Result<Self> {
         let points = match config.profile {
             true => target::profile(model, 16).unwrap_or_else(|e| {
                 warn!("profiling the target failed ({e:#}); starting from a guessed cost table");
@@ -101,17 +107,17 @@ impl<'a> Core<'a> {
         tracing::debug!(?points, "verify cost table (rows, ms)");
         let limits = config.limits(model.context_len());
         counters.set_limits(&limits);
-        Core {
+        Ok(Core {
             tokenizer,
             slot,
-            target: Target::new(model),
+            target: Target::new(model, limits.pool_tokens, limits.max_running)?,
             sched: Scheduler::new(limits),
             live: Vec::new(),
             controller: Controller::new(CostTable::new(points)),
             drafting: Drafting::default(),
             counters,
             config,
-        }
+        })
     }
 
     /// Whether anything is waiting or running.
@@ -173,8 +179,22 @@ impl<'a> Core<'a> {
         for seq in self.sched.drop_waiting(Sequence::is_closed) {
             seq.report(None);
         }
-        for (seq, need) in self.sched.admit() {
-            self.target.create(seq.session());
+        for (mut seq, need) in self.sched.admit() {
+            // A prefix-cache hit skips the shared prefill, but its positions' taps were never
+            // collected for this sequence: with a drafter that wants taps, prefill it all.
+            let taps_needed =
+                seq.req.speculation != Speculation::Off && !self.drafting.wants().is_empty();
+            let prompt = &seq.context[..seq.context.len() - 1];
+            let reuse = if taps_needed { &[][..] } else { prompt };
+            match self.target.create(seq.session(), reuse) {
+                Ok(hit) => seq.computed = hit,
+                Err(e) => {
+                    self.target.release(seq.session());
+                    self.sched.release(need);
+                    seq.report(Some(format!("{e:#}")));
+                    continue;
+                }
+            }
             self.live.push(Live {
                 seq,
                 need,
@@ -428,6 +448,7 @@ impl<'a> Core<'a> {
         match part.kind {
             PartKind::Prefill { chunk } => {
                 live.seq.computed += chunk;
+                self.target.index(session);
                 if let Some(t) = &out.taps {
                     live.prompt_taps
                         .get_or_insert_with(TapRows::default)
@@ -539,11 +560,12 @@ impl<'a> Core<'a> {
     }
 
     fn publish(&self) {
+        let pool = self.target.stats();
         self.counters.publish(
             self.sched.running(),
             self.sched.waiting(),
             self.sched.reserved(),
-            self.target.used(),
+            &pool,
         );
     }
 }

@@ -1,22 +1,30 @@
-//! The target side of a step: the sequences' K/V and one forward over the rows every sequence
-//! contributes.
+//! The target side of a step: every sequence's K/V in one paged [`KvPool`] and one packed
+//! forward ([`Model::forward_batch`]) over the rows every sequence contributes.
 //!
 //! ```text
 //!   work:   seq A [pending d1 d2]   seq B [pending]   seq C [c0 c1 ... c31]  (prefill chunk)
-//!   rows:   logits for every row of A and B, the last row of C when it ends the prompt;
-//!           taps (when the drafter wants any) for every row.
+//!   packed: a0 a1 a2 b0 c0 ... c31                      one [T, hidden] pass per layer
+//!   logits: every row of A and B, the last row of C when it ends the prompt;
+//!   taps:   (when the drafter wants any) every row.
 //! ```
 //!
-//! Each sequence's rows run at positions `len(seq)..` of its own K/V; a row's logits, taps and
-//! K/V depend only on its sequence, never on what else is in the step (the law under batching).
-//! [`Target::truncate`] rolls a sequence back after verification (rejected drafts).
+//! Each sequence's rows run at positions `len(seq)..` of its own blocks; a row's logits, taps
+//! and K/V depend only on its sequence, never on what else is in the step (the forward's
+//! batch-invariance, which is what keeps the law under batching). [`Target::truncate`] rolls a
+//! sequence back after verification (rejected drafts): a length change.
+//!
+//! **Prefix cache.** A new sequence adopts the longest chain of cached full blocks that starts
+//! its prompt ([`KvPool::adopt_prefix`], vLLM-style hash chain); its prefill starts after them.
+//! Blocks are entered into the index once their K/V is written (after each prefill chunk and
+//! when a sequence ends, so a second chat turn finds the first turn's answer too).
 
 use std::collections::HashMap;
 use std::time::Instant;
 
 use anyhow::Context;
-use candle_core::{IndexOp, Tensor};
-use specula_models::{ForwardOutput, ForwardRequest, KvCache, Model, TapId};
+use candle_core::Tensor;
+use specula_models::kv_pool::{PoolStats, BLOCK_SIZE};
+use specula_models::{Batch, ForwardRequest, KvPool, Model, Rows as Select, SeqId, SeqRows, TapId};
 
 use crate::proposer::{SessionId, TapRows, Wants};
 
@@ -45,16 +53,23 @@ pub struct RowsOut {
 /// The sequences' K/V and the forward over them.
 pub struct Target<'m> {
     model: &'m Model,
-    caches: HashMap<SessionId, KvCache>,
+    pool: KvPool,
+    seqs: HashMap<SessionId, SeqId>,
 }
 
 impl<'m> Target<'m> {
-    /// No sequences yet.
-    pub fn new(model: &'m Model) -> Self {
-        Target {
+    /// A pool of at least `positions` positions for `model`, with one spare block per
+    /// sequence of `max_running` (partly filled last blocks).
+    ///
+    /// # Errors
+    /// A pool that cannot be made (zero capacity).
+    pub fn new(model: &'m Model, positions: usize, max_running: usize) -> anyhow::Result<Self> {
+        let blocks = positions.div_ceil(BLOCK_SIZE) + max_running;
+        Ok(Target {
             model,
-            caches: HashMap::new(),
-        }
+            pool: model.new_pool(blocks).context("creating the KV pool")?,
+            seqs: HashMap::new(),
+        })
     }
 
     /// The model.
@@ -62,24 +77,36 @@ impl<'m> Target<'m> {
         self.model
     }
 
-    /// Starts an empty sequence.
-    pub fn create(&mut self, session: SessionId) {
-        self.caches.insert(session, self.model.new_cache());
+    /// Starts a sequence for `prompt`, adopting the longest cached prefix of its first
+    /// `reuse` ids; returns how many positions it already holds.
+    ///
+    /// # Errors
+    /// A pool error (an invariant: the session is new).
+    pub fn create(&mut self, session: SessionId, prompt: &[u32]) -> anyhow::Result<usize> {
+        let seq = self.pool.create();
+        self.seqs.insert(session, seq);
+        Ok(self.pool.adopt_prefix(seq, prompt)?)
     }
 
-    /// Frees a sequence's K/V at once.
+    /// Frees a sequence's blocks at once; its full blocks stay findable by the prefix index
+    /// until evicted.
     pub fn release(&mut self, session: SessionId) {
-        self.caches.remove(&session);
+        if let Some(seq) = self.seqs.remove(&session) {
+            let _ = self.pool.index_full_blocks(seq);
+            let _ = self.pool.release(seq);
+        }
     }
 
-    /// Positions held by `session`.
-    pub fn len(&self, session: SessionId) -> usize {
-        self.caches.get(&session).map_or(0, KvCache::len)
+    /// Enters `session`'s full blocks into the prefix index (their K/V is written).
+    pub fn index(&mut self, session: SessionId) {
+        if let Some(&seq) = self.seqs.get(&session) {
+            let _ = self.pool.index_full_blocks(seq);
+        }
     }
 
-    /// Positions held by all sequences.
-    pub fn used(&self) -> usize {
-        self.caches.values().map(KvCache::len).sum()
+    /// The pool's counters (blocks used and cached, prefix hits).
+    pub fn stats(&self) -> PoolStats {
+        self.pool.stats()
     }
 
     /// Keeps the first `len` positions of `session`.
@@ -87,60 +114,107 @@ impl<'m> Target<'m> {
     /// # Errors
     /// `len` past the sequence's length.
     pub fn truncate(&mut self, session: SessionId, len: usize) -> anyhow::Result<()> {
-        let cache = self.cache(session)?;
-        cache.truncate(len)?;
+        let seq = self.seq(session)?;
+        self.pool.truncate(seq, len)?;
         Ok(())
     }
 
-    fn cache(&mut self, session: SessionId) -> anyhow::Result<&mut KvCache> {
-        self.caches
-            .get_mut(&session)
-            .with_context(|| format!("invariant: sequence {session} has a KV cache"))
+    fn seq(&self, session: SessionId) -> anyhow::Result<SeqId> {
+        self.seqs
+            .get(&session)
+            .copied()
+            .with_context(|| format!("invariant: sequence {session} is in the pool"))
     }
 
-    /// Runs every sequence's rows (see the module docs), tapping what `wants` names. Returns
-    /// one output per entry of `work` and the forward's time.
+    /// Runs every sequence's rows in one packed forward (see the module docs), tapping what
+    /// `wants` names. Returns one output per entry of `work` and the forward's time (ms, the
+    /// copy of the logits to the host included: the sync point of an asynchronous device).
     ///
     /// # Errors
-    /// A failed forward (the sequences' K/V are rolled back to their lengths before the call).
+    /// A failed forward (all or nothing: every sequence keeps its length before the call).
     pub fn forward(&mut self, work: &[Rows], wants: &Wants) -> anyhow::Result<(Vec<RowsOut>, f64)> {
         let started = Instant::now();
-        let model = self.model;
         let tap_ids = tap_ids(wants);
+        let seqs = work
+            .iter()
+            .map(|r| {
+                Ok(SeqRows {
+                    seq: self.seq(r.session)?,
+                    tokens: r.tokens.clone(),
+                    logits: Select::Last(r.logits),
+                    taps: match r.taps && !tap_ids.is_empty() {
+                        true => Select::All,
+                        false => Select::Last(0),
+                    },
+                })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let starts: Vec<usize> = seqs
+            .iter()
+            .map(|s| self.pool.len(s.seq))
+            .collect::<Result<_, _>>()?;
+        let batch = Batch {
+            seqs,
+            taps: tap_ids,
+        };
+        let out = self
+            .model
+            .forward_batch(&batch, &mut self.pool)
+            .context("target forward")?;
         let mut outs = Vec::with_capacity(work.len());
-        for rows in work {
-            let cache = self.cache(rows.session)?;
-            let pos = cache.len();
-            let want_taps = rows.taps && !wants.is_empty();
-            let req = ForwardRequest {
-                last_k: rows.logits,
-                taps: if want_taps {
-                    tap_ids.clone()
-                } else {
-                    Vec::new()
-                },
-                taps_all_positions: true,
-            };
-            let out = model
-                .forward(&rows.tokens, cache, &req)
-                .with_context(|| format!("target forward of sequence {}", rows.session))?;
-            let taps = match want_taps {
-                true => Some(collect_taps(&out, cache, wants, pos, rows.tokens.len())?),
+        for (i, (rows, &pos)) in work.iter().zip(&starts).enumerate() {
+            let taps = match rows.taps && !wants.is_empty() {
+                true => Some(self.collect_taps(&out, i, batch.seqs[i].seq, wants, pos)?),
                 false => None,
             };
             outs.push(RowsOut {
-                logits: out.logits,
+                logits: out.logits_of(i)?,
                 taps,
             });
         }
         Ok((outs, started.elapsed().as_secs_f64() * 1e3))
     }
-}
 
-impl Target<'_> {
+    /// Sequence `i`'s taps of the batch output and its K/V rows at `pos..`, as plain vectors
+    /// for the proposer.
+    fn collect_taps(
+        &self,
+        out: &specula_models::BatchOutput,
+        i: usize,
+        seq: SeqId,
+        wants: &Wants,
+        pos: usize,
+    ) -> anyhow::Result<TapRows> {
+        let rows = out.tap_rows[i].len();
+        let take = |id: TapId| -> anyhow::Result<Vec<f32>> {
+            Ok(out.tap_of(id, i)?.flatten_all()?.to_vec1::<f32>()?)
+        };
+        let layers = wants
+            .tap_layers
+            .iter()
+            .map(|&l| take(TapId::Layer(l)))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let final_hidden = match wants.final_hidden {
+            true => Some(take(TapId::FinalNorm)?),
+            false => None,
+        };
+        let kv = wants
+            .kv_layers
+            .iter()
+            .map(|&l| Ok(self.pool.read_rows(seq, l, pos..pos + rows)?))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(TapRows {
+            pos,
+            rows,
+            layers,
+            final_hidden,
+            kv,
+        })
+    }
+
     /// The taps of `ids` run from position 0 on a scratch sequence (a re-sync after a hot
-    /// swap, when the engine did not keep them). Rows are bit-identical to the ones the
-    /// sequence's own forwards produced: a row depends only on its sequence's tokens.
+    /// swap, when the engine did not keep them): bit-identical to the rows the sequence's own
+    /// forwards produced, since a row depends only on its sequence's tokens.
     ///
     /// # Errors
     /// A failed forward.
@@ -150,12 +224,37 @@ impl Target<'_> {
         }
         let mut cache = self.model.new_cache();
         let req = ForwardRequest {
-            last_k: 0,
+            logits: Select::Last(0),
             taps: tap_ids(wants),
-            taps_all_positions: true,
+            tap_rows: Select::All,
         };
         let out = self.model.prefill(ids, &mut cache, &req)?;
-        collect_taps(&out, &cache, wants, 0, ids.len())
+        let find = |id: TapId| -> anyhow::Result<Vec<f32>> {
+            let (_, t) = out
+                .taps
+                .iter()
+                .find(|(t, _)| *t == id)
+                .with_context(|| format!("tap {id:?} missing"))?;
+            Ok(t.flatten_all()?.to_vec1::<f32>()?)
+        };
+        Ok(TapRows {
+            pos: 0,
+            rows: ids.len(),
+            layers: wants
+                .tap_layers
+                .iter()
+                .map(|&l| find(TapId::Layer(l)))
+                .collect::<anyhow::Result<_>>()?,
+            final_hidden: match wants.final_hidden {
+                true => Some(find(TapId::FinalNorm)?),
+                false => None,
+            },
+            kv: wants
+                .kv_layers
+                .iter()
+                .map(|&l| Ok(cache.rows(l, 0..ids.len())?))
+                .collect::<anyhow::Result<_>>()?,
+        })
     }
 }
 
@@ -165,49 +264,6 @@ fn tap_ids(wants: &Wants) -> Vec<TapId> {
         ids.push(TapId::FinalNorm);
     }
     ids
-}
-
-/// Copies the forward's taps and the K/V rows at `pos..pos + rows` into plain vectors for the
-/// proposer.
-fn collect_taps(
-    out: &ForwardOutput,
-    cache: &KvCache,
-    wants: &Wants,
-    pos: usize,
-    rows: usize,
-) -> anyhow::Result<TapRows> {
-    let take = |t: &Tensor| -> anyhow::Result<Vec<f32>> {
-        Ok(t.i(..rows)?.flatten_all()?.to_vec1::<f32>()?)
-    };
-    let find = |id: TapId| out.taps.iter().find(|(t, _)| *t == id).map(|(_, x)| x);
-    let mut layers = Vec::with_capacity(wants.tap_layers.len());
-    for &l in &wants.tap_layers {
-        let t = find(TapId::Layer(l)).with_context(|| format!("tap of layer {l} missing"))?;
-        layers.push(take(t)?);
-    }
-    let final_hidden = match find(TapId::FinalNorm) {
-        Some(t) if wants.final_hidden => Some(take(t)?),
-        _ => None,
-    };
-    let mut kv = Vec::with_capacity(wants.kv_layers.len());
-    for &l in &wants.kv_layers {
-        let (k, v) = cache.layer(l);
-        // [kv_heads, len, head_dim] → rows × kv_heads × head_dim
-        let rows_of = |t: Tensor| -> anyhow::Result<Vec<f32>> {
-            Ok(t.narrow(1, pos, rows)?
-                .transpose(0, 1)?
-                .flatten_all()?
-                .to_vec1::<f32>()?)
-        };
-        kv.push((rows_of(k)?, rows_of(v)?));
-    }
-    Ok(TapRows {
-        pos,
-        rows,
-        layers,
-        final_hidden,
-        kv,
-    })
 }
 
 /// Profiles forward time against rows (1, 2, 4, … `max_rows`) on a scratch sequence: the
@@ -239,26 +295,21 @@ pub fn profile(model: &Model, max_rows: usize) -> anyhow::Result<Vec<(usize, f64
 
 fn measure(model: &Model, max_rows: usize) -> anyhow::Result<Vec<(usize, f64)>> {
     let mut cache = model.new_cache();
-    let req = ForwardRequest::default();
     let mut points = Vec::new();
     let mut rows = 1;
     // Some context first, so attention is not measured over nothing.
     let warm: Vec<u32> = (0..32u32).collect();
-    model.forward(&warm, &mut cache, &req)?;
+    model.forward(&warm, &mut cache, &ForwardRequest::default())?;
     while rows <= max_rows.max(1) {
         let ids: Vec<u32> = (0..rows as u32).map(|i| i % 64).collect();
+        let req = ForwardRequest {
+            logits: Select::Last(rows),
+            ..ForwardRequest::default()
+        };
         let mut best = f64::MAX;
         for _ in 0..2 {
             let t = Instant::now();
-            let out = model.forward(
-                &ids,
-                &mut cache,
-                &ForwardRequest {
-                    last_k: rows,
-                    ..req.clone()
-                },
-            )?;
-            // The copy to the host is the sync point of an asynchronous device.
+            let out = model.forward(&ids, &mut cache, &req)?;
             drop(out.logits.to_device(&candle_core::Device::Cpu)?);
             best = best.min(t.elapsed().as_secs_f64() * 1e3);
             cache.truncate(warm.len())?;
