@@ -404,3 +404,116 @@ fn batched_greedy_equals_solo_plain_on_smollm2_with_real_drafters() {
         }
     }
 }
+
+/// A second chat turn (the first turn's prompt and answer, then more) adopts the cached blocks
+/// of the first and skips their prefill — and still equals its solo plain output.
+#[test]
+fn a_second_turn_reuses_the_first_turns_blocks_and_changes_nothing() {
+    let (_dir, loaded) = tiny_loaded("llama", 11);
+    let turn1: Vec<u32> = (0..40u32).map(|i| 3 + (i * 7) % 50).collect();
+    let slot = ProposerSlot::new(None);
+    let counters = Arc::new(target_host::engine::Counters::default());
+    let config = EngineConfig {
+        profile: false,
+        ..EngineConfig::default()
+    };
+    let mut core = Core::with_counters(
+        &loaded.model,
+        &loaded.tokenizer,
+        &slot,
+        config,
+        counters.clone(),
+    )
+    .expect("core");
+    let run = |core: &mut Core<'_>, req: GenerationRequest| {
+        let results: Results = Arc::new(Mutex::new(vec![None]));
+        let sink = Keep {
+            results: results.clone(),
+            i: 0,
+        };
+        core.admit(req, Box::new(sink)).expect("admitted");
+        while core.has_work() {
+            core.step().expect("step");
+        }
+        let out = results.lock().unwrap()[0].clone();
+        out.expect("reported").expect("generated")
+    };
+    let first = run(&mut core, request(1, &turn1, 8, Speculation::Off));
+    assert_eq!(counters.snapshot().prefix_hit_tokens, 0);
+    let mut turn2 = turn1.clone();
+    turn2.extend(&first.token_ids);
+    turn2.extend([9, 10, 11]);
+    let req2 = request(2, &turn2, 8, Speculation::Off);
+    let second = run(&mut core, req2.clone());
+    let hits = counters.snapshot().prefix_hit_tokens;
+    assert!(hits >= 32, "the first turn's full block was reused: {hits}");
+    assert_eq!(second.token_ids, solo_plain(&loaded, &req2));
+}
+
+/// Every committed position's taps reach the drafter exactly once, in order, through a batch:
+/// the rows of `open`, then `commit`s (drafted rounds) and `advance`s (rounds without drafts),
+/// add up to every position before the pending one, for each session.
+#[test]
+fn every_committed_position_reaches_a_tap_drafter_exactly_once() {
+    let loaded = smollm_f32();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let log = dir.path().join("taps.log");
+    let log_arg = log.to_str().expect("utf-8 path");
+    let prompts: [&[u32]; 3] = [
+        &[1, 2, 3, 4, 5, 6],
+        &[7, 8, 9],
+        &[10, 11, 12, 13, 14, 15, 16, 17],
+    ];
+    let reqs: Vec<GenerationRequest> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let spec = match i {
+                0 => Speculation::On {
+                    num_draft_tokens: 3,
+                },
+                _ => Speculation::Adaptive {
+                    max_draft_tokens: 3,
+                },
+            };
+            request(i as u64 + 1, p, 12 + 3 * i, spec)
+        })
+        .collect();
+    let config = EngineConfig {
+        max_batch_tokens: 5,
+        profile: false,
+        draft_deadline_steps: 1000.0,
+        draft_deadline_cap: Duration::from_secs(5),
+        ..EngineConfig::default()
+    };
+    let client = drafter(
+        &loaded,
+        "chaos-drafter",
+        &["--mode", "taps-check", "--out", log_arg],
+    );
+    let got = batch(&loaded, Some(client), config, &reqs);
+    let text = std::fs::read_to_string(&log).expect("the drafter wrote its log");
+    assert!(!text.contains("torn"), "torn taps: {text}");
+    for (i, g) in got.iter().enumerate() {
+        let session = (i + 1).to_string();
+        let mut kinds = Vec::new();
+        let mut rows = 0;
+        for line in text.lines() {
+            let f: Vec<&str> = line.split(' ').collect();
+            if f[1] == session {
+                kinds.push(f[0]);
+                rows += f[2].parse::<usize>().expect("row count");
+            }
+        }
+        assert_eq!(kinds.first(), Some(&"open"), "session {session}: {kinds:?}");
+        assert!(kinds[1..].iter().all(|k| *k == "commit" || *k == "advance"));
+        let eos = usize::from(g.finish_reason == target_host::generation::FinishReason::Stop);
+        let told = prompts[i].len() + g.token_ids.len() + eos;
+        assert_eq!(
+            rows,
+            told - 1,
+            "session {session}: taps of every position before the pending one"
+        );
+    }
+    assert_eq!(got[0].token_ids, solo_plain(&loaded, &reqs[0]));
+}

@@ -73,7 +73,8 @@ fn self_drafting_equals_plain(host: &[&str]) -> serde_json::Value {
 
 #[test]
 fn smollm_drafting_for_itself_is_accepted_and_changes_nothing() {
-    let spec = self_drafting_equals_plain(&[]);
+    // A fixed k: what is measured is acceptance, not the controller's choice of k.
+    let spec = self_drafting_equals_plain(&["--fixed-draft"]);
     let stats = &spec["stats"];
     let drafted = stats["drafted"].as_u64().unwrap();
     assert!(drafted >= 20, "the drafter drafted: {stats}");

@@ -201,10 +201,10 @@ impl Controller {
         }
     }
 
-    /// The drafter-wide prior acceptance (optimistic before any evidence, so drafting is
-    /// tried).
+    /// The drafter-wide prior acceptance: optimistic before any evidence, so a new drafter
+    /// is tried (and its acceptance learned) before the cost model can rule it out.
     pub fn prior(&self) -> f64 {
-        self.global.alpha(0.6)
+        self.global.alpha(0.8)
     }
 
     /// Folds in a measured draft call.

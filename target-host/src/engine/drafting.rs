@@ -10,12 +10,16 @@
 //! - **Exactly once, in order**: `open` covers positions `0..len-1`; every later step sends
 //!   each committed position once, by `commit` (a drafted round) or `advance` (a round without
 //!   drafts).
-//! - **Prefix cache and drafter state**: the host keeps the taps with the session (above)
-//!   rather than asking drafters to checkpoint, because the host already has every tap at the
-//!   moment it commits it and a tap drafter can rebuild its own state from them in one
-//!   batched forward; a protocol `Checkpoint`/`Resume` would make every drafter implement
-//!   storage and eviction, for a saving only on drafters whose own state is costly to rebuild
-//!   (the two-model drafter keeps its own LRU of draft-model caches for that).
+//! - **Prefix cache and drafter state** (the choice, and why): the host keeps what a drafter
+//!   needs, and no protocol message asks drafters to checkpoint. A token-only drafter (ngram,
+//!   two-model) is re-opened with the ids of the whole context and rebuilds its own state from
+//!   them — the two-model drafter's LRU of draft-model caches is that drafter's side of the
+//!   prefix cache. A tap drafter needs every position's taps, which the host has at the moment
+//!   it commits them and keeps per session (above) for re-syncs; a sequence that feeds a tap
+//!   drafter therefore prefills its whole prompt rather than adopting cached blocks whose taps
+//!   it never saw (storing taps with the prefix blocks is the next step, not done yet). A
+//!   `Checkpoint`/`Resume` protocol would make every drafter implement storage and eviction
+//!   for a saving only where the drafter's own state is costly to rebuild.
 
 use std::collections::HashMap;
 

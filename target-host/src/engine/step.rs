@@ -351,6 +351,7 @@ impl<'a> Core<'a> {
             if let PartKind::Decode { asked, draft } = &mut p.kind {
                 if *asked > 0 {
                     *draft = drafts.next().unwrap_or_default();
+                    trim_by_confidence(draft);
                 }
             }
         }
@@ -570,6 +571,34 @@ impl<'a> Core<'a> {
     }
 }
 
+/// Below this probability that a draft token is reached and accepted (the product of the
+/// drafter's per-token confidences), verifying it costs more than it is expected to commit.
+const CONFIDENCE_FLOOR: f32 = 0.1;
+
+/// Cuts a draft where the drafter's own confidences say the rest will be rejected anyway
+/// (DSpark's confidence-scheduled length; SpecDec++'s stopping rule). Drafts without
+/// confidences are kept whole.
+fn trim_by_confidence(draft: &mut Draft) {
+    let Some(conf) = &draft.confidence else {
+        return;
+    };
+    let mut reach = 1.0f32;
+    let keep = conf
+        .iter()
+        .take_while(|&&c| {
+            reach *= c;
+            reach >= CONFIDENCE_FLOOR
+        })
+        .count();
+    draft.tokens.truncate(keep);
+    if let Some(q) = &mut draft.q {
+        q.truncate(keep);
+    }
+    if let Some(c) = &mut draft.confidence {
+        c.truncate(keep);
+    }
+}
+
 /// The shortest draft deadline, whatever the step time.
 const MIN_DEADLINE_MS: f64 = 5.0;
 
@@ -637,5 +666,29 @@ impl Picked {
             Picked::Rows(rows) => rows.get(i).map(Vec::as_slice),
             Picked::Argmax(_) => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn confidences_cut_a_draft_where_it_stops_paying() {
+        let mut d = Draft {
+            tokens: vec![1, 2, 3, 4],
+            q: None,
+            confidence: Some(vec![0.9, 0.5, 0.2, 0.9]),
+        };
+        trim_by_confidence(&mut d);
+        // 0.9, 0.45, then 0.09 < 0.1: two kept.
+        assert_eq!(d.tokens, vec![1, 2]);
+        assert_eq!(d.confidence, Some(vec![0.9, 0.5]));
+        let mut plain = Draft {
+            tokens: vec![1, 2, 3],
+            ..Draft::default()
+        };
+        trim_by_confidence(&mut plain);
+        assert_eq!(plain.tokens.len(), 3, "no confidences: kept whole");
     }
 }
