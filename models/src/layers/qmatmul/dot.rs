@@ -1,7 +1,7 @@
-//! Dot product of one unpacked weight row with one quantized activation row, in three builds
-//! (AVX-VNNI, AVX2, scalar) chosen once per process.
+//! Dot product of one unpacked weight row with quantized activation rows, in one build per
+//! [`Isa`] path (`avx512`, `avxvnni`, `avx2`, `scalar`).
 //!
-//! All three compute, per 32-element block, the same eight exact integer lane sums
+//! All of them compute, per 32-element block, the same eight exact integer lane sums
 //! `Σ_{i in 4l..4l+4} q_w[i] * q_a[i]`, then accumulate in f32 in one fixed order:
 //!
 //! ```text
@@ -15,6 +15,9 @@
 //! the add latency chain.
 
 use super::unpack::{Block, QK};
+use crate::layers::simd::Isa;
+#[cfg(target_arch = "x86_64")]
+use crate::layers::simd::Level;
 
 /// One activation row quantized to 8 bits per 32-element block.
 ///
@@ -28,85 +31,50 @@ pub(super) struct ActRow<'a> {
     pub s: &'a [f32],
 }
 
-/// The instruction set the kernels use, detected once.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Isa {
-    /// 256-bit `vpdpbusd`, VEX encoded (AVX-VNNI).
-    AvxVnni,
-    /// 256-bit `vpdpbusd`, EVEX encoded (AVX512-VNNI with VL).
-    Avx512Vnni,
-    /// `vpmaddubsw` + `vpmaddwd` (with FMA and F16C, as every AVX2 CPU has).
-    Avx2,
-    /// Portable Rust.
-    Scalar,
+/// `ys[r] = Σ_b` block `b` of `w` against block `b` of `acts[r]` (see the module docs) on the
+/// path `isa`; `has_min` says whether any block of `w` has a non-zero `min` (else that term
+/// is skipped).
+///
+/// Rows go through the SIMD kernels four at a time (sharing the weight loads); a row's
+/// instructions are the same whichever group it lands in.
+#[inline(always)]
+pub(super) fn dot_rows(isa: Isa, w: &[Block], has_min: bool, acts: &[ActRow<'_>], ys: &mut [f32]) {
+    debug_assert_eq!(acts.len(), ys.len());
+    for a in acts {
+        assert!(a.d.len() == w.len() && a.s.len() == w.len() && a.q.len() == w.len() * QK);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa.level() != Level::Scalar {
+        let mut quads = acts.chunks_exact(4).zip(ys.chunks_exact_mut(4));
+        for (a, y) in &mut quads {
+            let a: &[ActRow<'_>; 4] = a.try_into().expect("invariant: chunks of 4");
+            y.copy_from_slice(&dispatch(isa, w, has_min, a));
+        }
+        let rest = acts.len() / 4 * 4;
+        for (a, y) in acts[rest..].iter().zip(&mut ys[rest..]) {
+            *y = dispatch::<1>(isa, w, has_min, std::array::from_ref(a))[0];
+        }
+        return;
+    }
+    for (a, y) in acts.iter().zip(ys) {
+        *y = dot_scalar(w, *a);
+    }
 }
 
-impl Isa {
-    /// The best set this CPU runs.
-    pub(super) fn detect() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let fma = is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c");
-            if fma && is_x86_feature_detected!("avxvnni") {
-                return Isa::AvxVnni;
-            }
-            if fma && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
-            {
-                return Isa::Avx512Vnni;
-            }
-            if fma {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Scalar
-    }
-
-    /// `ys[r] = Σ_b` block `b` of `w` against block `b` of `acts[r]` (see the module docs);
-    /// `has_min` says whether any block of `w` has a non-zero `min` (else that term is skipped).
-    ///
-    /// Rows go through the SIMD kernels four at a time (sharing the weight loads); a row's
-    /// instructions are the same whichever group it lands in.
-    #[inline(always)]
-    pub(super) fn dot_rows(self, w: &[Block], has_min: bool, acts: &[ActRow<'_>], ys: &mut [f32]) {
-        debug_assert_eq!(acts.len(), ys.len());
-        for a in acts {
-            assert!(a.d.len() == w.len() && a.s.len() == w.len() && a.q.len() == w.len() * QK);
-        }
-        #[cfg(target_arch = "x86_64")]
-        if self != Isa::Scalar {
-            let mut quads = acts.chunks_exact(4).zip(ys.chunks_exact_mut(4));
-            for (a, y) in &mut quads {
-                let a: &[ActRow<'_>; 4] = a.try_into().expect("invariant: chunks of 4");
-                y.copy_from_slice(&self.dispatch(w, has_min, a));
-            }
-            let rest = acts.len() / 4 * 4;
-            for (a, y) in acts[rest..].iter().zip(&mut ys[rest..]) {
-                *y = self.dispatch::<1>(w, has_min, std::array::from_ref(a))[0];
-            }
-            return;
-        }
-        for (a, y) in acts.iter().zip(ys) {
-            *y = dot_scalar(w, *a);
-        }
-    }
-
-    /// One group of `R` rows through the build of this `Isa` (not `Scalar`).
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    fn dispatch<const R: usize>(self, w: &[Block], has_min: bool, a: &[ActRow<'_>; R]) -> [f32; R] {
-        // SAFETY: `detect` saw the features these builds enable; the lengths were asserted in
-        // `dot_rows`.
-        unsafe {
-            match (self, has_min) {
-                (Isa::AvxVnni, true) => x86::dot_avxvnni::<R, true>(w, a),
-                (Isa::AvxVnni, false) => x86::dot_avxvnni::<R, false>(w, a),
-                (Isa::Avx512Vnni, true) => x86::dot_avx512vnni::<R, true>(w, a),
-                (Isa::Avx512Vnni, false) => x86::dot_avx512vnni::<R, false>(w, a),
-                (_, true) => x86::dot_avx2::<R, true>(w, a),
-                (_, false) => x86::dot_avx2::<R, false>(w, a),
-            }
+/// One group of `R` rows through the build of `isa` (not scalar).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn dispatch<const R: usize>(isa: Isa, w: &[Block], has_min: bool, a: &[ActRow<'_>; R]) -> [f32; R] {
+    // SAFETY: an `Isa` token is only made after checking the features of its level; the
+    // lengths were asserted in `dot_rows`.
+    unsafe {
+        match (isa.level(), has_min) {
+            (Level::AvxVnni, true) => x86::dot_avxvnni::<R, true>(w, a),
+            (Level::AvxVnni, false) => x86::dot_avxvnni::<R, false>(w, a),
+            (Level::Avx512, true) => x86::dot_avx512vnni::<R, true>(w, a),
+            (Level::Avx512, false) => x86::dot_avx512vnni::<R, false>(w, a),
+            (_, true) => x86::dot_avx2::<R, true>(w, a),
+            (_, false) => x86::dot_avx2::<R, false>(w, a),
         }
     }
 }

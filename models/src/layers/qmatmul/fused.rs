@@ -21,9 +21,10 @@ use std::arch::x86_64::*;
 use candle_core::quantized::GgmlDType;
 
 use super::dot::x86::hsum;
-use super::dot::{ActRow, Isa};
-use super::unpack::x86::{for_each_block, Kind, Reg, Q4K, Q4_1, Q5_0, Q6K, Q8_0};
+use super::dot::ActRow;
+use super::unpack::x86::{for_each_block, Kind, Reg, Q4K, Q4_0, Q4_1, Q5_0, Q6K, Q8_0};
 use super::unpack::QK;
+use crate::layers::simd::{Isa, Level};
 
 /// The body shared by the builds: `$prep(q)` is a block's weight-side work, and
 /// `$lanes(prep, q_a)` gives its eight integer lane sums against the activation block.
@@ -84,9 +85,9 @@ unsafe fn avx2<K: Kind>(row: &[u8], a: ActRow<'_>) -> f32 {
 
 #[inline(always)]
 unsafe fn dot_kind<K: Kind>(isa: Isa, row: &[u8], a: ActRow<'_>) -> f32 {
-    match isa {
-        Isa::AvxVnni => avxvnni::<K>(row, a),
-        Isa::Avx512Vnni => avx512vnni::<K>(row, a),
+    match isa.level() {
+        Level::AvxVnni => avxvnni::<K>(row, a),
+        Level::Avx512 => avx512vnni::<K>(row, a),
         _ => avx2::<K>(row, a),
     }
 }
@@ -94,10 +95,11 @@ unsafe fn dot_kind<K: Kind>(isa: Isa, row: &[u8], a: ActRow<'_>) -> f32 {
 /// Weight row `row` (raw GGUF bytes of `dtype`) dotted with the activation row `a`.
 ///
 /// # Safety
-/// `isa` came from [`Isa::detect`] and is not [`Isa::Scalar`]; `dtype` is supported; `row`
-/// holds exactly `32 * a.d.len()` weights.
+/// `isa` is not the scalar path; `dtype` is supported; `row` holds exactly `32 * a.d.len()`
+/// weights.
 pub(super) unsafe fn dot(isa: Isa, dtype: GgmlDType, row: &[u8], a: ActRow<'_>) -> f32 {
     match dtype {
+        GgmlDType::Q4_0 => dot_kind::<Q4_0>(isa, row, a),
         GgmlDType::Q4_1 => dot_kind::<Q4_1>(isa, row, a),
         GgmlDType::Q5_0 => dot_kind::<Q5_0>(isa, row, a),
         GgmlDType::Q8_0 => dot_kind::<Q8_0>(isa, row, a),

@@ -1,5 +1,5 @@
-//! Quantized matmul `y = x W^T` for the GGUF block types of the models we serve (`Q4_1`,
-//! `Q5_0`, `Q8_0`, `Q4_K`, `Q6_K`), built so that a k-token verify chunk costs little more
+//! Quantized matmul `y = x W^T` for the GGUF block types of the models we serve (`Q4_0`,
+//! `Q4_1`, `Q5_0`, `Q8_0`, `Q4_K`, `Q6_K`), built so that a k-token verify chunk costs little more
 //! than one decode step *and* gives each row bit-identical results to that step.
 //!
 //! Each weight row is unpacked once per call into a common 32-element form ([`unpack`]) and
@@ -24,14 +24,14 @@ mod fused;
 mod unpack;
 
 use std::cell::RefCell;
-use std::sync::OnceLock;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use dot::{ActRow, Isa};
+use crate::layers::simd::{Isa, Level};
+use dot::ActRow;
 use unpack::{Block, QK};
 
 /// Weight rows per rayon task: enough work to amortise scheduling.
@@ -40,11 +40,6 @@ const ROWS_PER_TASK: usize = 16;
 /// Whether [`matmul`] handles weights of this type.
 pub fn supports(dtype: GgmlDType) -> bool {
     unpack::supports(dtype)
-}
-
-fn isa() -> Isa {
-    static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(Isa::detect)
 }
 
 /// Activation rows quantized to 8 bits per 32 values (see [`ActRow`]).
@@ -57,10 +52,10 @@ struct Acts {
 
 impl Acts {
     /// Quantizes `xs` (`rows * k` values, row-major); each row independently of the others.
-    fn quantize(xs: &[f32], k: usize) -> Acts {
+    fn quantize(isa: Isa, xs: &[f32], k: usize) -> Acts {
         #[cfg(target_arch = "x86_64")]
-        if isa() != Isa::Scalar {
-            // SAFETY: every non-scalar `Isa` implies AVX2 and FMA.
+        if isa.level() != Level::Scalar {
+            // SAFETY: every non-scalar `Isa` token was made after checking AVX2 and FMA.
             return unsafe { Self::quantize_avx2(xs, k) };
         }
         Self::quantize_body(xs, k)
@@ -154,7 +149,7 @@ fn rows_task(
                 &weights[j * row_bytes..(j + 1) * row_bytes],
                 &mut buf,
             );
-            isa.dot_rows(&buf, has_min, &rows, ys);
+            dot::dot_rows(isa, &buf, has_min, &rows, ys);
         }
     })
 }
@@ -173,11 +168,11 @@ unsafe fn rows_task_avx2(ops: Operands, j0: usize, out: &mut [f32]) {
 }
 
 /// `xs` `[rows, k]` f32 times `w^T` (`w`: `[n, k]` of a type [`supports`] accepts) →
-/// `[rows, n]` f32.
+/// `[rows, n]` f32, on the SIMD path `isa`.
 ///
 /// # Errors
 /// If `w` is not 2-D, not on the CPU, of an unsupported type, or `k` does not match.
-pub fn matmul(w: &QTensor, xs: &Tensor) -> Result<Tensor> {
+pub fn matmul(isa: Isa, w: &QTensor, xs: &Tensor) -> Result<Tensor> {
     let (n, k) = w.shape().dims2()?;
     let (m, xk) = xs.dims2()?;
     let dtype = w.dtype();
@@ -195,9 +190,9 @@ pub fn matmul(w: &QTensor, xs: &Tensor) -> Result<Tensor> {
     let data = w.data()?;
     let row_bytes = k / unpack::block_elems(dtype) * dtype.type_size();
     let xs: Vec<f32> = xs.flatten_all()?.to_vec1()?;
-    let acts = Acts::quantize(&xs, k);
+    let acts = Acts::quantize(isa, &xs, k);
     let ops = Operands {
-        isa: isa(),
+        isa,
         dtype,
         weights: &data,
         row_bytes,
@@ -211,21 +206,21 @@ pub fn matmul(w: &QTensor, xs: &Tensor) -> Result<Tensor> {
         .for_each(|(t, out)| {
             let j0 = t * ROWS_PER_TASK;
             #[cfg(target_arch = "x86_64")]
-            if ops.isa != Isa::Scalar && m == 1 {
+            if ops.isa.level() != Level::Scalar && m == 1 {
                 // A decode step: unpack in registers (bit-identical to the buffered path).
                 let rows = ops.acts.rows();
                 for (jj, y) in out.iter_mut().enumerate() {
                     let j = j0 + jj;
                     let w = &ops.weights[j * row_bytes..(j + 1) * row_bytes];
-                    // SAFETY: a non-scalar `isa` came from `Isa::detect`; the type and the row
-                    // length were checked above.
+                    // SAFETY: a non-scalar `Isa` token proves its features; the type and the
+                    // row length were checked above.
                     *y = unsafe { fused::dot(ops.isa, dtype, w, rows[0]) };
                 }
                 return;
             }
             #[cfg(target_arch = "x86_64")]
-            if ops.isa != Isa::Scalar {
-                // SAFETY: every non-scalar `Isa` implies AVX2, FMA and F16C.
+            if ops.isa.level() != Level::Scalar {
+                // SAFETY: every non-scalar `Isa` token implies AVX2, FMA and F16C.
                 unsafe { rows_task_avx2(ops, j0, out) };
                 return;
             }
