@@ -277,7 +277,10 @@ mod x86 {
     /// Sums 16 lanes: halves, halves again, then as [`hsum8`]'s last steps.
     #[inline(always)]
     unsafe fn hsum16(v: __m512) -> f32 {
-        let h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
+        let h = _mm256_add_ps(
+            _mm512_castps512_ps256(v),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+        );
         hsum_256(h)
     }
 

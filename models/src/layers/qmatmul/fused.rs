@@ -8,7 +8,9 @@
 //! it for every row: redoing the unpacking per row would cost more than the buffer. Both paths
 //! compute, per block, the same eight integer lane sums and the same f32 operations in the same
 //! order (see the `dot` module docs), so a decode step here is bit-identical to the same row
-//! of a verify chunk there (`rows_do_not_depend_on_chunk_size` checks it for every type).
+//! of a verify chunk there (`rows_do_not_depend_on_row_count` and `simd_builds_agree_exactly`
+//! check it for every type and path). The `avx512` build holds blocks `b` and `b + 1` in the
+//! two halves of one register: the same operations, half the instructions.
 //!
 //! ```text
 //!  for each pair of blocks (b even, b + 1):          (Q4_K/Q6_K: 8 blocks per super-block)
@@ -20,7 +22,7 @@ use std::arch::x86_64::*;
 
 use candle_core::quantized::GgmlDType;
 
-use super::dot::x86::hsum;
+use super::dot::x86::{halves, hsum, join_ps, pair_d, pair_q};
 use super::dot::ActRow;
 use super::unpack::x86::{for_each_block, Kind, Reg, Q4K, Q4_0, Q4_1, Q5_0, Q6K, Q8_0};
 use super::unpack::QK;
@@ -64,12 +66,38 @@ unsafe fn avxvnni<K: Kind>(row: &[u8], a: ActRow<'_>) -> f32 {
     })
 }
 
-/// [`avxvnni`] with the EVEX encoding of the same instruction.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl")]
-unsafe fn avx512vnni<K: Kind>(row: &[u8], a: ActRow<'_>) -> f32 {
-    body!(K, row, a, |q| neg_corr(q), |corr, qa| {
-        _mm256_dpbusd_epi32(corr, qa, q)
-    })
+/// Two blocks per 512-bit register, as [`super::dot`]'s `dot_avx512` (bit-identical to it and
+/// to the 256-bit builds): even block `b` in the low half, `b + 1` in the high half.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn avx512<K: Kind>(row: &[u8], a: ActRow<'_>) -> f32 {
+    let n = a.d.len();
+    let mut acc = _mm512_setzero_ps();
+    let mut min = [0f32; 2];
+    let mut lo = Reg {
+        q: _mm256_setzero_si256(),
+        sc: _mm256_setzero_ps(),
+        min: 0.0,
+    };
+    let mut pair = |b: usize, lo: Reg, hi: Reg, both: bool| {
+        let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo.q), hi.q);
+        let pairs = _mm512_maddubs_epi16(_mm512_set1_epi8(1), q);
+        let corr = _mm512_madd_epi16(pairs, _mm512_set1_epi16(-128));
+        let lanes = _mm512_dpbusd_epi32(corr, pair_q(a.q.as_ptr().add(b * QK), both), q);
+        let s = _mm512_mul_ps(join_ps(lo.sc, hi.sc), pair_d(a.d.as_ptr().add(b), both));
+        let mask: __mmask16 = if both { 0xFFFF } else { 0x00FF };
+        acc = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(lanes), s, acc, mask);
+    };
+    for_each_block::<K>(row, n, |b, par, w| {
+        if K::MIN {
+            min[par] = w.min.mul_add(*a.s.get_unchecked(b), min[par]);
+        }
+        match par {
+            0 if b + 1 == n => pair(b, w, w, false),
+            0 => lo = w,
+            _ => pair(b - 1, lo, w, true),
+        }
+    });
+    hsum(halves(acc)) + (min[0] + min[1])
 }
 
 /// ggml's sign trick: `|q_w| * sign(q_a, q_w)` fits `vpmaddubsw` without saturating
@@ -87,7 +115,7 @@ unsafe fn avx2<K: Kind>(row: &[u8], a: ActRow<'_>) -> f32 {
 unsafe fn dot_kind<K: Kind>(isa: Isa, row: &[u8], a: ActRow<'_>) -> f32 {
     match isa.level() {
         Level::AvxVnni => avxvnni::<K>(row, a),
-        Level::Avx512 => avx512vnni::<K>(row, a),
+        Level::Avx512 => avx512::<K>(row, a),
         _ => avx2::<K>(row, a),
     }
 }

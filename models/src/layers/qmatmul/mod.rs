@@ -1,18 +1,23 @@
 //! Quantized matmul `y = x W^T` for the GGUF block types of the models we serve (`Q4_0`,
-//! `Q4_1`, `Q5_0`, `Q8_0`, `Q4_K`, `Q6_K`), built so that a k-token verify chunk costs little more
-//! than one decode step *and* gives each row bit-identical results to that step.
+//! `Q4_1`, `Q5_0`, `Q8_0`, `Q4_K`, `Q6_K`), built so that a k-token verify chunk costs little
+//! more than one decode step *and* every row is bit-identical whatever the number of rows in
+//! the call: one decode row, a verify window, a 512-row prefill chunk, rows of several
+//! sequences.
 //!
-//! Each weight row is unpacked once per call into a common 32-element form ([`unpack`]) and
-//! dotted with every activation row ([`dot`]); activations are quantized to 8 bits once per
-//! call (ggml's `Q8_1`, one scale per 32 values). A decode step (one row) skips the buffer:
-//! [`fused`] unpacks each block in registers and dots it at once, with the same arithmetic. A row's arithmetic never depends on how many
-//! rows share the call, so decode (1 row) and verify (k rows) agree exactly:
+//! Why a row's bits cannot depend on the others: activations are quantized to 8 bits per row
+//! (ggml's `Q8_1`, one scale per 32 values, each row on its own); each weight row is unpacked
+//! into a common 32-element form ([`unpack`]) and dotted with each activation row ([`dot`]),
+//! whose integer lane sums are exact and whose f32 operations run in one fixed order per
+//! output, whichever tile or group of rows the row lands in. A decode step (one row) skips
+//! the buffer: [`fused`] unpacks each block in registers and dots it at once, with the same
+//! arithmetic (tested bit for bit).
 //!
 //! ```text
 //!  W  [n, k] raw GGUF blocks               X  [m, k] f32 -> m rows of k/32 (u8 q[32], d, s)
-//!  for each weight row j (rayon, ROWS_PER_TASK per task):
-//!    unpack W[j] -> k/32 Blocks (i8 q[32], scales, min)    (once per call, in L1)
-//!    for each activation row r:  y[r, j] = dot(Blocks, X[r])   (same code for every r)
+//!  for each task of ROWS_PER_TASK weight rows (rayon):
+//!    unpack those rows -> k/32 Blocks each (i8 q[32], scales, min)   (once per call)
+//!    for each tile of ACT_TILE activation rows (kept in L1 across the task's rows):
+//!      for each weight row j:  y[r, j] = dot(Blocks_j, X[r])     (same code for every r)
 //! ```
 //!
 //! Reference: ggml's `vec_dot_q*_q8_*` (`ggml-cpu/arch/x86/quants.c`); the per-lane integer
@@ -36,6 +41,9 @@ use unpack::{Block, QK};
 
 /// Weight rows per rayon task: enough work to amortise scheduling.
 const ROWS_PER_TASK: usize = 16;
+
+/// Activation rows dotted with a task's unpacked weight rows before the next ones.
+const ACT_TILE: usize = 8;
 
 /// Whether [`matmul`] handles weights of this type.
 pub fn supports(dtype: GgmlDType) -> bool {
@@ -106,7 +114,7 @@ impl Acts {
 }
 
 thread_local! {
-    /// One unpacked weight row per worker thread, reused across calls.
+    /// A task's unpacked weight rows, per worker thread, reused across calls.
     static UNPACKED: RefCell<Vec<Block>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -123,6 +131,10 @@ struct Operands<'a> {
 
 /// The products of weight rows `j0..j0 + out.len() / m` with all activation rows:
 /// `out[(j - j0) * m + r] = y[r, j]`.
+///
+/// The task's weight rows are unpacked once into the buffer; activation rows then go by in
+/// tiles of [`ACT_TILE`], each tile dotted with every unpacked row while it is in L1 (a
+/// 512-row prefill chunk would otherwise stream all activations once per weight row).
 #[inline(always)]
 fn rows_task(
     ops: Operands,
@@ -138,18 +150,25 @@ fn rows_task(
         acts,
     } = ops;
     let rows = acts.rows();
+    let m = rows.len();
+    let kb = acts.k / QK;
+    let n_rows = out.len() / m;
     let has_min = unpack::has_min(dtype);
     UNPACKED.with(|buf| {
         let mut buf = buf.borrow_mut();
-        buf.resize(acts.k / QK, Block::default());
-        for (jj, ys) in out.chunks_exact_mut(rows.len()).enumerate() {
+        buf.resize(n_rows * kb, Block::default());
+        for (jj, blocks) in buf.chunks_exact_mut(kb).enumerate() {
             let j = j0 + jj;
-            unpack_row(
-                dtype,
-                &weights[j * row_bytes..(j + 1) * row_bytes],
-                &mut buf,
-            );
-            dot::dot_rows(isa, &buf, has_min, &rows, ys);
+            unpack_row(dtype, &weights[j * row_bytes..(j + 1) * row_bytes], blocks);
+        }
+        let mut ys = [0f32; ACT_TILE];
+        for (t, tile) in rows.chunks(ACT_TILE).enumerate() {
+            let r0 = t * ACT_TILE;
+            for (jj, blocks) in buf.chunks_exact(kb).enumerate() {
+                let ys = &mut ys[..tile.len()];
+                dot::dot_rows(isa, blocks, has_min, tile, ys);
+                out[jj * m + r0..jj * m + r0 + tile.len()].copy_from_slice(ys);
+            }
         }
     })
 }
