@@ -254,13 +254,13 @@ pub(super) mod x86 {
     /// `[d[0]; 8] ++ [d[1]; 8]` (`[d[0]; 8] ++ [0; 8]` when `both` is false).
     #[inline(always)]
     pub(in super::super) unsafe fn pair_d(d: *const f32, both: bool) -> __m512 {
-        let lo = _mm256_set1_ps(*d);
-        let hi = if both {
-            _mm256_set1_ps(*d.add(1))
-        } else {
-            _mm256_setzero_ps()
-        };
-        join_ps(lo, hi)
+        if both {
+            // One 64-bit load and one permute: lanes 0..8 take d[0], lanes 8..16 d[1].
+            let two = _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(d as *const f64)));
+            let idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+            return _mm512_permutexvar_ps(idx, two);
+        }
+        join_ps(_mm256_set1_ps(*d), _mm256_setzero_ps())
     }
 
     /// ggml's sign trick: `|q_w| * sign(q_a, q_w)` fits `vpmaddubsw` without saturating

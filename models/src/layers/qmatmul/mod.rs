@@ -10,7 +10,8 @@
 //! whose integer lane sums are exact and whose f32 operations run in one fixed order per
 //! output, whichever tile or group of rows the row lands in. A decode step (one row) skips
 //! the buffer: [`fused`] unpacks each block in registers and dots it at once, with the same
-//! arithmetic (tested bit for bit).
+//! arithmetic (tested bit for bit); so do verify windows of up to `fused::max_rows` rows,
+//! unpacking each block once in registers for all of them.
 //!
 //! ```text
 //!  W  [n, k] raw GGUF blocks               X  [m, k] f32 -> m rows of k/32 (u8 q[32], d, s)
@@ -225,15 +226,16 @@ pub fn matmul(isa: Isa, w: &QTensor, xs: &Tensor) -> Result<Tensor> {
         .for_each(|(t, out)| {
             let j0 = t * ROWS_PER_TASK;
             #[cfg(target_arch = "x86_64")]
-            if ops.isa.level() != Level::Scalar && m == 1 {
-                // A decode step: unpack in registers (bit-identical to the buffered path).
+            if ops.isa.level() != Level::Scalar && m <= fused::max_rows(ops.isa) {
+                // A decode step or a short verify window: unpack in registers, once for all
+                // rows (bit-identical to the buffered path).
                 let rows = ops.acts.rows();
-                for (jj, y) in out.iter_mut().enumerate() {
+                for (jj, ys) in out.chunks_exact_mut(m).enumerate() {
                     let j = j0 + jj;
                     let w = &ops.weights[j * row_bytes..(j + 1) * row_bytes];
-                    // SAFETY: a non-scalar `Isa` token proves its features; the type and the
-                    // row length were checked above.
-                    *y = unsafe { fused::dot(ops.isa, dtype, w, rows[0]) };
+                    // SAFETY: a non-scalar `Isa` token proves its features; the type, the row
+                    // length and the row count were checked above.
+                    unsafe { fused::dot_rows(ops.isa, dtype, w, &rows, ys) };
                 }
                 return;
             }
