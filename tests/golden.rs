@@ -162,7 +162,7 @@ fn forward_rows(
     last_k: usize,
 ) -> Vec<Vec<f32>> {
     let req = ForwardRequest {
-        last_k,
+        logits: specula_models::Rows::Last(last_k),
         ..Default::default()
     };
     let out = model.forward(tokens, cache, &req).expect("forward");

@@ -181,7 +181,7 @@ fn verify_window_matches_stepwise(name: &str, dtype: WeightDType) {
     let window = [262u32, 479, 3725, 198, 198, 1348];
     let rows = |cache: &mut specula_models::KvCache, chunk: &[u32], k: usize| -> Vec<Vec<f32>> {
         let req = ForwardRequest {
-            last_k: k,
+            logits: specula_models::Rows::Last(k),
             ..ForwardRequest::default()
         };
         model

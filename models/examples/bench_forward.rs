@@ -97,7 +97,7 @@ fn main() -> anyhow::Result<()> {
     for _ in 0..args.runs.max(3) * 2 {
         for (&k, times) in args.chunks.iter().zip(&mut times) {
             let req = ForwardRequest {
-                last_k: k,
+                logits: specula_models::Rows::Last(k),
                 ..Default::default()
             };
             let t = Instant::now();

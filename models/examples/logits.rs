@@ -40,7 +40,7 @@ fn main() -> anyhow::Result<()> {
         .with_context(|| format!("loading {}", args.model.display()))?;
     let mut cache = model.new_cache();
     let req = ForwardRequest {
-        last_k: args.tokens.len(),
+        logits: specula_models::Rows::Last(args.tokens.len()),
         ..Default::default()
     };
     let logits = model.forward(&args.tokens, &mut cache, &req)?.logits;

@@ -58,7 +58,15 @@ pub enum Error {
         /// The context length.
         max: usize,
     },
-    /// A caller passed arguments that cannot work (e.g. `last_k` larger than the chunk,
+    /// The KV pool has too few blocks left for the request (free, growable and evictable).
+    #[error("KV pool full: {needed} blocks needed, {available} available")]
+    KvPoolFull {
+        /// Blocks the operation needed.
+        needed: usize,
+        /// Blocks the pool could still provide.
+        available: usize,
+    },
+    /// A caller passed arguments that cannot work (e.g. logit rows past the chunk,
     /// truncating a KV cache past its length).
     #[error("invalid request to {op}: {reason}")]
     InvalidRequest {

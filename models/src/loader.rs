@@ -13,10 +13,10 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 
-use crate::arch::{self, llama::Llama};
+use crate::arch::{self, Checkpoint};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::layers::{Embedding, Linear, RopeStyle};
+use crate::layers::{Embedding, Linear};
 use crate::model::Model;
 use crate::weights::{Bias, WeightDType, Weights};
 
@@ -211,10 +211,10 @@ fn load_gguf_model(
     opts: &LoadOptions,
 ) -> Result<Model> {
     let config = ModelConfig::from_gguf(&content, path)?;
-    let spec = arch::spec(&config.model_type)?;
-    tracing::info!(path = %path.display(), arch = spec.name, dtype = ?opts.dtype, "loading GGUF");
+    let name = arch::canonical(&config.model_type)?;
+    tracing::info!(path = %path.display(), arch = name, dtype = ?opts.dtype, "loading GGUF");
     let mut weights = Weights::gguf(content, file, path, opts.dtype, &opts.device);
-    let net = Llama::load(&config, &spec, &mut weights, spec.gguf_rope)?;
+    let net = arch::load(&config, &mut weights, Checkpoint::Gguf)?;
     Model::from_parts(net, config, path, opts.prefill_chunk, &opts.device)
 }
 
@@ -230,12 +230,12 @@ fn load_hf_model(dir: &Path, opts: &LoadOptions) -> Result<Model> {
         });
     }
     let config = ModelConfig::from_hf_json(&dir.join("config.json"))?;
-    let spec = arch::spec(&config.model_type)?;
-    tracing::info!(path = %dir.display(), arch = spec.name, dtype = ?opts.dtype, "loading safetensors");
+    let name = arch::canonical(&config.model_type)?;
+    tracing::info!(path = %dir.display(), arch = name, dtype = ?opts.dtype, "loading safetensors");
     let shards = safetensors_shards(dir)?;
     let mut weights = Weights::safetensors(dir, &shards, opts.dtype, &opts.device)?;
     // HF checkpoints keep q/k rows in the half-split layout.
-    let net = Llama::load(&config, &spec, &mut weights, RopeStyle::HalfSplit)?;
+    let net = arch::load(&config, &mut weights, Checkpoint::Hf)?;
     Model::from_parts(net, config, dir, opts.prefill_chunk, &opts.device)
 }
 

@@ -12,10 +12,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::arch::{self, llama::Llama};
+use crate::arch::{self, Checkpoint};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::layers::{Embedding, Linear, RopeStyle};
+use crate::layers::{Embedding, Linear};
 use crate::loader::{LoadOptions, LoadedModel, WeightSource};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
@@ -168,12 +168,12 @@ impl WeightSource for RandomWeights {
 /// [`Error::Tokenizer`] if the synthetic tokenizer cannot be written, and allocation
 /// failures on the device.
 pub fn load(name: &str, config: ModelConfig, opts: &LoadOptions) -> Result<LoadedModel> {
-    let spec = arch::spec(&config.model_type)?;
+    let arch_name = arch::canonical(&config.model_type)?;
     let dtype = dtype(opts.dtype, &opts.device);
-    tracing::info!(name, arch = spec.name, ?dtype, "building random weights");
+    tracing::info!(name, arch = arch_name, ?dtype, "building random weights");
     let mut weights = RandomWeights::new(&opts.device, dtype);
     // HF layout: random weights have no converter permutation to undo.
-    let net = Llama::load(&config, &spec, &mut weights, RopeStyle::HalfSplit)?;
+    let net = arch::load(&config, &mut weights, Checkpoint::Hf)?;
     let tokenizer = synthetic_tokenizer(config.vocab_size)?;
     let label = PathBuf::from(format!("random:{name}"));
     let model = Model::from_parts(net, config, &label, opts.prefill_chunk, &opts.device)?;
@@ -285,7 +285,7 @@ mod tests {
             let ids = [3u32, 9, 27, 1, 60];
             let mut cache: KvCache = model.new_cache();
             let req = ForwardRequest {
-                last_k: 3,
+                logits: crate::Rows::Last(3),
                 ..ForwardRequest::default()
             };
             let window: Vec<Vec<f32>> = model

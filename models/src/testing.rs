@@ -45,7 +45,7 @@ impl TinyModel {
     /// # Errors
     /// [`Error::UnsupportedArchitecture`] for another `model_type`.
     pub fn tiny_config(model_type: &str) -> Result<ModelConfig> {
-        let spec = arch::spec(model_type)?;
+        let spec = switches(model_type)?;
         Ok(ModelConfig {
             model_type: model_type.to_string(),
             vocab_size: 96,
@@ -168,7 +168,7 @@ impl TinyModel {
     /// quantized to `dtype` (row length not a multiple of its block).
     pub fn write_gguf(&self, path: &Path, dtype: GgmlDType) -> Result<()> {
         let cfg = &self.config;
-        let spec = arch::spec(&cfg.model_type)?;
+        let spec = switches(&cfg.model_type)?;
         let mut qtensors = Vec::new();
         for (hf, t) in &self.tensors {
             let name = gguf_name(hf).expect("invariant: TinyModel only makes mappable names");
@@ -243,4 +243,12 @@ fn permute_rows(w: &Tensor, n_head: usize) -> Result<Tensor> {
         .transpose(1, 2)?
         .contiguous()?
         .reshape(dims)?)
+}
+
+/// The llama-family switches of `name`, the families [`TinyModel`] builds.
+fn switches(name: &str) -> Result<arch::llama::Switches> {
+    arch::llama::Switches::of(name).ok_or_else(|| Error::UnsupportedArchitecture {
+        got: name.to_string(),
+        supported: "llama, mistral, qwen2, qwen3 (tiny models)".to_string(),
+    })
 }

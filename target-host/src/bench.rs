@@ -22,7 +22,7 @@ use serde::Serialize;
 use specula_models::config::ModelConfig;
 use specula_models::loader::LoadedModel;
 use specula_models::sampling::SamplingParams;
-use specula_models::{random, ForwardRequest, Model, WeightDType};
+use specula_models::{random, ForwardRequest, Model, Rows, WeightDType};
 
 use crate::drafter_args::DrafterArgs;
 use crate::generation::{
@@ -296,7 +296,7 @@ fn verify_curve(model: &Model, args: &BenchArgs) -> Result<Vec<VerifyPoint>> {
         anyhow::ensure!((1..=64).contains(&w), "--windows: {w} is not in 1..=64");
         let window = &ids[args.context..args.context + w];
         let req = ForwardRequest {
-            last_k: w,
+            logits: Rows::Last(w),
             ..ForwardRequest::default()
         };
         let mut times = Vec::with_capacity(args.reps);

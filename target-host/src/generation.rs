@@ -15,7 +15,7 @@ use serde::Serialize;
 use specula_models::sampling::{log_softmax, Sampler, SamplingParams};
 use specula_models::tokenizer::{StreamDecoder, Tokenizer};
 use specula_models::KvCache;
-use specula_models::{ForwardOutput, ForwardRequest, Model, TapId};
+use specula_models::{ForwardOutput, ForwardRequest, Model, Rows, TapId};
 
 use crate::proposer::{Draft, ProposerSlot, SessionId, TapRows, Verdict, Wants};
 use crate::text::{StopMatcher, StopScan};
@@ -194,9 +194,9 @@ pub fn generate(
         None
     } else {
         let fwd = ForwardRequest {
-            last_k: 1,
+            logits: Rows::Last(1),
             taps: tap_ids(&wants),
-            taps_all_positions: true,
+            tap_rows: Rows::All,
         };
         let out = model.prefill(pending_ids, cache, &fwd)?;
         (!wants.is_empty()).then(|| collect_taps(&out, cache, &wants, 0, pending_ids.len()))
@@ -236,9 +236,9 @@ pub fn generate(
         window.extend_from_slice(&draft.tokens);
         let base = cache.len();
         let fwd = ForwardRequest {
-            last_k: window.len(),
+            logits: Rows::Last(window.len()),
             taps: tap_ids(&wants),
-            taps_all_positions: false,
+            tap_rows: Rows::Last(window.len()),
         };
         let forward_start = Instant::now();
         let out = model.forward(&window, cache, &fwd)?;
@@ -572,15 +572,8 @@ fn collect_taps(
     };
     let mut kv = Vec::with_capacity(wants.kv_layers.len());
     for &l in &wants.kv_layers {
-        let (k, v) = cache.layer(l);
-        // [kv_heads, len, head_dim] → rows × kv_heads × head_dim
-        let rows_of = |t: Tensor| -> anyhow::Result<Vec<f32>> {
-            Ok(t.narrow(1, pos, rows)?
-                .transpose(0, 1)?
-                .flatten_all()?
-                .to_vec1::<f32>()?)
-        };
-        kv.push((rows_of(k)?, rows_of(v)?));
+        // rows × kv_heads × head_dim
+        kv.push(cache.rows(l, pos..pos + rows)?);
     }
     Ok(TapRows {
         pos,

@@ -86,14 +86,18 @@ impl Checkpoints {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{DType, Device, Tensor};
+    use specula_models::testing::TinyModel;
 
-    /// A one-layer cache holding `n` positions.
+    /// A tiny random model's cache holding `n` positions.
     fn cache(n: usize) -> KvCache {
-        let mut c = KvCache::new(1, 1, 2, 64, DType::F32, &Device::Cpu);
+        let config = TinyModel::tiny_config("llama").unwrap();
+        let model = specula_models::random::load("tiny", config, &Default::default())
+            .unwrap()
+            .model;
+        let mut c = model.new_cache();
         if n > 0 {
-            let k = Tensor::zeros((1, n, 2), DType::F32, &Device::Cpu).unwrap();
-            c.append(0, &k, &k).unwrap();
+            let ids: Vec<u32> = (1..=n as u32).collect();
+            model.forward(&ids, &mut c, &Default::default()).unwrap();
         }
         c
     }

@@ -18,7 +18,7 @@
 
 use specula_models::kv_cache::KvCache;
 use specula_models::sampling::{argmax, Sampler, SamplingParams};
-use specula_models::{ForwardRequest, Model, Result};
+use specula_models::{ForwardRequest, Model, Result, Rows};
 use specula_protocol::sdk::Proposal;
 use specula_protocol::wire::SamplingSpec;
 
@@ -170,7 +170,7 @@ impl DraftSession {
             return Ok(None);
         }
         let req = ForwardRequest {
-            last_k,
+            logits: Rows::Last(last_k),
             ..ForwardRequest::default()
         };
         let out = model.prefill(feed, &mut self.cache, &req)?;

@@ -1,18 +1,50 @@
 //! The llama block, with the switches of qwen2 (q/k/v biases) and qwen3 (q/k norms). Follows
-//! HF `modeling_llama.py` / candle-transformers `models/llama.rs`, but shares
-//! [`crate::layers`] and runs over the one [`KvCache`].
+//! HF `modeling_llama.py` / candle-transformers `models/llama.rs`, over the shared
+//! [`crate::layers`] and the packed batch (see [`crate::arch::Architecture`]).
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 
-use crate::arch::ArchSpec;
+use crate::arch::{Architecture, Checkpoint};
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::kv_cache::KvCache;
-use crate::layers::attention::causal_mask;
+use crate::kv_pool::{KvLayout, KvPool};
+use crate::layers::attention::{AttnBatch, KvSlot};
 use crate::layers::{Attention, Embedding, Linear, Mlp, RmsNorm, Rope, RopeStyle};
 use crate::loader::WeightSource;
-use crate::model::TapId;
 use crate::weights::Bias;
+
+/// What distinguishes one llama-family architecture from another.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Switches {
+    /// The canonical name (`llama`, `qwen2`, `qwen3`).
+    pub name: &'static str,
+    /// Rope layout of q/k in GGUF files of this architecture (HF files are always
+    /// [`RopeStyle::HalfSplit`]).
+    pub gguf_rope: RopeStyle,
+    /// q/k/v projections always have biases (qwen2).
+    pub qkv_bias: bool,
+    /// q and k have per-head RMS norms (qwen3).
+    pub qk_norm: bool,
+}
+
+impl Switches {
+    /// The switches of GGUF `general.architecture` / HF `model_type` `name`, if a llama.
+    pub fn of(name: &str) -> Option<Self> {
+        let s = |name, gguf_rope, qkv_bias, qk_norm| Switches {
+            name,
+            gguf_rope,
+            qkv_bias,
+            qk_norm,
+        };
+        match name {
+            // llama.cpp's converter permutes llama q/k rows (mistral converts as llama).
+            "llama" | "mistral" => Some(s("llama", RopeStyle::Interleaved, false, false)),
+            "qwen2" => Some(s("qwen2", RopeStyle::HalfSplit, true, false)),
+            "qwen3" => Some(s("qwen3", RopeStyle::HalfSplit, false, true)),
+            _ => None,
+        }
+    }
+}
 
 /// One decoder layer (`LlamaDecoderLayer`).
 #[derive(Clone, Debug)]
@@ -26,45 +58,27 @@ struct Block {
 /// A llama-family model.
 #[derive(Clone, Debug)]
 pub struct Llama {
+    name: &'static str,
     embed_tokens: Embedding,
     layers: Vec<Block>,
     norm: RmsNorm,
     lm_head: Linear,
     rope: Rope,
-    device: Device,
-}
-
-/// Which rows of a chunk a caller wants back.
-#[derive(Clone, Copy, Debug)]
-pub struct RowSpec<'a> {
-    /// Logits for rows `logits_from..seq` (none when `logits_from >= seq`).
-    pub logits_from: usize,
-    /// Taps to record.
-    pub taps: &'a [TapId],
-    /// Taps for rows `taps_from..seq`.
-    pub taps_from: usize,
-}
-
-/// Logits and taps of one chunk; taps are in the order of [`RowSpec::taps`].
-#[derive(Debug)]
-pub struct ChunkOutput {
-    /// `[seq - logits_from, vocab]` f32, or `None` when no row was asked.
-    pub logits: Option<Tensor>,
-    /// `[seq - taps_from, hidden]` f32 per requested tap (`None` when no row was asked).
-    pub taps: Vec<Option<Tensor>>,
+    hidden: usize,
+    kv_heads: usize,
+    head_dim: usize,
 }
 
 impl Llama {
-    /// Builds the model from `weights` (a checkpoint or random), rotating q/k in the `rope`
-    /// layout.
+    /// Builds the model from `weights` (a checkpoint or random).
     ///
     /// # Errors
     /// [`crate::Error::Missing`] / [`crate::Error::InvalidModel`] for absent or misshapen tensors.
     pub fn load(
         cfg: &ModelConfig,
-        spec: &ArchSpec,
+        spec: Switches,
         weights: &mut dyn WeightSource,
-        rope: RopeStyle,
+        from: Checkpoint,
     ) -> Result<Self> {
         let (h, hd) = (cfg.hidden_size, cfg.head_dim());
         let (n_heads, kv_heads) = (cfg.num_attention_heads, cfg.kv_heads());
@@ -137,87 +151,73 @@ impl Llama {
             }
         }
         let norm = RmsNorm::new(weights.vector("model.norm.weight", h)?, eps)?;
-        let device = weights.device().clone();
-        let rope = Rope::new(
-            hd,
-            cfg.max_position_embeddings,
-            cfg.rope_theta,
-            rope,
-            &device,
-        )?;
+        let rope = match from {
+            Checkpoint::Gguf => spec.gguf_rope,
+            Checkpoint::Hf => RopeStyle::HalfSplit,
+        };
+        let rope = Rope::new(hd, cfg.max_position_embeddings, cfg.rope_theta, rope)?;
         Ok(Self {
+            name: spec.name,
             embed_tokens,
             layers,
             norm,
             lm_head,
             rope,
-            device,
+            hidden: h,
+            kv_heads,
+            head_dim: hd,
         })
     }
+}
 
-    /// Projects final-norm hidden states `[rows, hidden]` to logits `[rows, vocab]`.
-    ///
-    /// # Errors
-    /// On a shape mismatch.
-    pub fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
-        self.lm_head.forward(hidden)
+impl Architecture for Llama {
+    fn name(&self) -> &'static str {
+        self.name
     }
 
-    /// Runs `tokens` at positions `cache.len()..`, appending their K/V to `cache`.
-    ///
-    /// # Errors
-    /// On an out-of-vocabulary token, a full cache or a tensor failure.
-    pub fn forward_chunk(
-        &self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        rows: RowSpec<'_>,
-    ) -> Result<ChunkOutput> {
-        let seq = tokens.len();
-        let tap_rows = |xs: &Tensor| -> Result<Option<Tensor>> {
-            match rows.taps_from < seq {
-                true => Ok(Some(xs.narrow(0, rows.taps_from, seq - rows.taps_from)?)),
-                false => Ok(None),
-            }
-        };
-        let mut taps = vec![None; rows.taps.len()];
-        let mut record = |id: TapId, xs: &Tensor| -> Result<()> {
-            for (slot, _) in taps.iter_mut().zip(rows.taps).filter(|(_, t)| **t == id) {
-                *slot = tap_rows(xs)?;
-            }
-            Ok(())
-        };
-        let mask = causal_mask(cache.len(), seq, &self.device)?;
-        let mut xs = self.embed_tokens.forward(tokens)?;
-        for (l, block) in self.layers.iter().enumerate() {
-            // PyTorch: h = x + attn(norm(x)); out = h + mlp(norm(h))
-            let attn = block.self_attn.forward(
-                &block.input_layernorm.forward(&xs)?,
-                &self.rope,
-                mask.as_ref(),
-                cache,
-                l,
-            )?;
-            let h = (xs + attn)?;
-            let mlp = block
-                .mlp
-                .forward(&block.post_attention_layernorm.forward(&h)?)?;
-            xs = (h + mlp)?;
-            record(TapId::Layer(l), &xs)?;
-        }
-        let xs = self.norm.forward(&xs)?;
-        record(TapId::FinalNorm, &xs)?;
-        let logits = match rows.logits_from < seq {
-            true => {
-                Some(self.lm_head(&xs.narrow(0, rows.logits_from, seq - rows.logits_from)?)?)
-            }
-            false => None,
-        };
-        Ok(ChunkOutput { logits, taps })
-    }
-
-    /// Number of decoder layers.
-    pub fn num_layers(&self) -> usize {
+    fn num_layers(&self) -> usize {
         self.layers.len()
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.hidden
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        KvLayout::uniform(self.layers.len(), self.kv_heads, self.head_dim)
+    }
+
+    fn embedding(&self) -> &Embedding {
+        &self.embed_tokens
+    }
+
+    fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        self.embed_tokens.forward(ids)
+    }
+
+    fn layer(&self, l: usize, xs: &Tensor, batch: &AttnBatch, pool: &mut KvPool) -> Result<Tensor> {
+        let block = &self.layers[l];
+        // PyTorch: h = x + attn(norm(x)); out = h + mlp(norm(h))
+        let attn = block.self_attn.forward(
+            &block.input_layernorm.forward(xs)?,
+            &self.rope,
+            batch,
+            pool,
+            KvSlot::Own(l),
+            None,
+        )?;
+        let h = (xs + attn)?;
+        let mlp = block
+            .mlp
+            .forward(&block.post_attention_layernorm.forward(&h)?)?;
+        Ok((h + mlp)?)
+    }
+
+    fn final_norm(&self, xs: &Tensor) -> Result<Tensor> {
+        self.norm.forward(xs)
+    }
+
+    fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.lm_head.forward(hidden)
     }
 }

@@ -1,32 +1,29 @@
-//! Grouped-query self-attention over `[cache ++ chunk]` with a causal mask for the chunk rows.
-//!
-//! Query heads are grouped by the KV head they share, so K/V are never repeated:
+//! Grouped-query self-attention of one block over the packed batch: q/k/v projections of all
+//! rows at once, rope at each row's own position, K/V written into the [`KvPool`], then the one
+//! attention [`kernel`] per (sequence, KV head) against that sequence's blocks.
 //!
 //! ```text
-//!  q  [n_heads, seq, d] ──reshape──> [kv_heads, groups*seq, d]     (head h = kv*groups + g)
-//!  k  [kv_heads, total, d]   (cache view, total = cache_len + seq)
-//!  scores = q k^T / sqrt(d)  [kv_heads, groups*seq, total]
-//!
-//!  mask for the chunk rows (row i is at position cache_len + i):
-//!             cache_len columns      seq columns
-//!  row 0    [ 0 0 ... 0            | 0 -inf -inf ]
-//!  row 1    [ 0 0 ... 0            | 0  0   -inf ]
-//!  row 2    [ 0 0 ... 0            | 0  0    0   ]
+//!  xs [T, hidden] (rows of every sequence, packed)      spans: seq A rows 0..3 at pos 40,
+//!   ├─ q_proj ─> q [T][n_heads][d]   rope(positions)           seq B rows 3..4 at pos 7
+//!   ├─ k_proj ─> k [T][kv_heads][d]  rope(positions) ─┐
+//!   └─ v_proj ─> v [T][kv_heads][d] ──────────────────┴─> pool.write(slot, block, offset)
+//!  kernel::attend(q, spans, pool) ─> [T][n_heads][d] ─ o_proj ─> [T, hidden]
 //! ```
 //!
-//! On the CPU, verify windows (up to `ROW_WISE_MAX_ROWS` rows) attend row by row so that
-//! they are bit-identical to one-token decode steps. On a GPU that would be a kernel launch
-//! storm per layer, so every chunk there takes one masked product: bit-identity across chunk
-//! sizes is a CPU guarantee, and on a GPU greedy speculative output equals plain output except
-//! where two logits are within rounding of each other (as in every GPU server).
+//! The kernel runs on the host over the host pool whatever the model's device: on a GPU the
+//! projections stay on the device and q/k/v cross to the host once per layer. That keeps one
+//! code path (and the batch-invariance guarantee) everywhere; a device pool with its own kernel
+//! is the GPU issue's work.
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 
-mod row_wise;
+pub mod kernel;
 
 use crate::error::Result;
-use crate::kv_cache::KvCache;
+use crate::kv_pool::{BlockId, KvPool};
 use crate::layers::{Linear, RmsNorm, Rope};
+
+pub use kernel::Span;
 
 /// Self-attention of one block (`LlamaAttention` / `Qwen2Attention` / `Qwen3Attention`).
 #[derive(Clone, Debug)]
@@ -51,147 +48,92 @@ pub struct Attention {
     pub head_dim: usize,
 }
 
-/// Chunks up to this many rows (verify windows) attend row by row; longer ones (prefill) use
-/// one masked product.
-const ROW_WISE_MAX_ROWS: usize = 16;
+/// The packed batch as attention sees it: where each sequence's rows are and where each row's
+/// K/V goes.
+#[derive(Clone, Debug)]
+pub struct AttnBatch {
+    /// One span per sequence, rows in batch order.
+    pub spans: Vec<Span>,
+    /// Position of every row.
+    pub positions: Vec<usize>,
+    /// `(block, offset)` every row's K/V is written to.
+    pub targets: Vec<(BlockId, usize)>,
+}
 
-/// The additive causal mask `[seq, cache_len + seq]` for a chunk of `seq` rows after
-/// `cache_len` cached positions, or `None` when a single row needs no mask.
-///
-/// # Errors
-/// If the tensor cannot be allocated.
-pub fn causal_mask(cache_len: usize, seq: usize, device: &Device) -> Result<Option<Tensor>> {
-    if seq <= 1 {
-        return Ok(None);
-    }
-    let total = cache_len + seq;
-    let mask: Vec<f32> = (0..seq)
-        .flat_map(|i| {
-            (0..total).map(move |j| match j > cache_len + i {
-                true => f32::NEG_INFINITY,
-                false => 0.0,
-            })
-        })
-        .collect();
-    Ok(Some(Tensor::from_vec(mask, (seq, total), device)?))
+/// Which stored K/V a layer uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvSlot {
+    /// The layer computes K/V and stores them in this slot.
+    Own(usize),
+    /// The layer reads the slot of an earlier layer and computes no K/V (Gemma KV sharing).
+    Shared(usize),
 }
 
 impl Attention {
-    /// Splits `[seq, heads * head_dim]` into `[heads, seq, head_dim]` (contiguous), with the
-    /// optional per-head norm.
-    fn heads(&self, xs: &Tensor, heads: usize, norm: Option<&RmsNorm>) -> Result<Tensor> {
-        let seq = xs.dim(0)?;
-        let xs = xs.reshape((seq, heads, self.head_dim))?;
-        let xs = match norm {
-            Some(n) => n.forward(&xs)?,
-            None => xs,
+    /// `xs` `[T, hidden]` → `[T, heads * head_dim]` host values with the optional per-head norm.
+    fn heads(
+        &self,
+        proj: &Linear,
+        xs: &Tensor,
+        heads: usize,
+        norm: Option<&RmsNorm>,
+    ) -> Result<Vec<f32>> {
+        let t = xs.dim(0)?;
+        let ys = proj.forward(xs)?;
+        let ys = match norm {
+            Some(n) => n.forward(&ys.reshape((t, heads, self.head_dim))?)?,
+            None => ys,
         };
-        Ok(xs.transpose(0, 1)?.contiguous()?)
+        Ok(ys.flatten_all()?.to_vec1::<f32>()?)
     }
 
-    /// Attends the chunk `xs` (`[seq, hidden]` f32, positions `cache.len()..`) to the cache
-    /// and itself; appends the chunk's K/V to layer `layer` of `cache`.
+    /// Attends the rows `xs` (`[T, hidden]` f32) of `batch` to their sequences' K/V in `pool`
+    /// (after writing theirs, for [`KvSlot::Own`]), over the last `window` positions of each
+    /// row when set.
     ///
     /// # Errors
-    /// On shape mismatches or a full cache.
+    /// On shape mismatches or a position past the rope table.
     pub fn forward(
         &self,
         xs: &Tensor,
         rope: &Rope,
-        mask: Option<&Tensor>,
-        cache: &mut KvCache,
-        layer: usize,
+        batch: &AttnBatch,
+        pool: &mut KvPool,
+        kv: KvSlot,
+        window: Option<usize>,
     ) -> Result<Tensor> {
-        let seq = xs.dim(0)?;
-        let pos = cache.layer_len(layer);
-        let q = self.heads(
-            &self.q_proj.forward(xs)?,
-            self.n_heads,
-            self.q_norm.as_ref(),
-        )?;
-        let k = self.heads(
-            &self.k_proj.forward(xs)?,
-            self.kv_heads,
-            self.k_norm.as_ref(),
-        )?;
-        let v = self.heads(&self.v_proj.forward(xs)?, self.kv_heads, None)?;
-        let q = rope.apply(&q, pos)?;
-        let k = rope.apply(&k, pos)?;
-        let (k, v) = cache.append(layer, &k, &v)?;
-        // CPU decode steps and verify windows over an f32 cache share one kernel whose rows
-        // never depend on the chunk size (see `row_wise`); other dtypes fall through.
-        let cpu_rows = match seq <= ROW_WISE_MAX_ROWS && xs.device().is_cpu() {
-            true => row_wise::attend(&q, &k, &v, pos)?,
-            false => None,
+        let t = xs.dim(0)?;
+        let d = self.head_dim;
+        let mut q = self.heads(&self.q_proj, xs, self.n_heads, self.q_norm.as_ref())?;
+        rope.apply(&mut q, self.n_heads, &batch.positions)?;
+        let slot = match kv {
+            KvSlot::Own(slot) => {
+                let mut k = self.heads(&self.k_proj, xs, self.kv_heads, self.k_norm.as_ref())?;
+                rope.apply(&mut k, self.kv_heads, &batch.positions)?;
+                let v = self.heads(&self.v_proj, xs, self.kv_heads, None)?;
+                let w = self.kv_heads * d;
+                for (r, &(block, offset)) in batch.targets.iter().enumerate() {
+                    pool.write(
+                        slot,
+                        block,
+                        offset,
+                        &k[r * w..(r + 1) * w],
+                        &v[r * w..(r + 1) * w],
+                    );
+                }
+                slot
+            }
+            KvSlot::Shared(slot) => slot,
         };
-        let out = if let Some(out) = cpu_rows {
-            out
-        } else if seq > 1 && seq <= ROW_WISE_MAX_ROWS && xs.device().is_cpu() {
-            // Verify windows attend row by row, each with exactly the shapes of a one-token
-            // decode step, so a verified token's logits are bit-identical to plain decoding's:
-            // quantized activations would amplify a different summation order into visibly
-            // different logits, and speculation must never change the output.
-            let rows = (0..seq)
-                .map(|i| {
-                    let len = pos + i + 1;
-                    self.attend(
-                        &q.narrow(1, i, 1)?,
-                        &k.narrow(1, 0, len)?,
-                        &v.narrow(1, 0, len)?,
-                        None,
-                    )
-                })
-                .collect::<Result<Vec<_>>>()?;
-            Tensor::cat(&rows, 0)?
-        } else {
-            self.attend(&q, &k, &v, mask)?
+        let shape = kernel::Shape {
+            n_heads: self.n_heads,
+            kv_heads: self.kv_heads,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            window,
         };
+        let out = kernel::attend(&q, &batch.spans, pool, slot, shape);
+        let out = Tensor::from_vec(out, (t, self.n_heads * d), xs.device())?;
         self.o_proj.forward(&out)
-    }
-
-    /// Softmax attention of `q` `[n_heads, seq, d]` over `k`, `v` `[kv_heads, total, d]`
-    /// (with an additive `mask` `[seq, total]`), returning `[seq, n_heads * d]`.
-    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
-        let seq = q.dim(1)?;
-        let total = k.dim(1)?;
-        let groups = self.n_heads / self.kv_heads;
-        let q = q.reshape((self.kv_heads, groups * seq, self.head_dim))?;
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
-        // PyTorch: attn_weights = torch.matmul(query, key.transpose(2, 3)) * self.scaling
-        let scores = (q.matmul(&k.t()?)? * scale)?;
-        let scores = match mask {
-            Some(m) => scores
-                .reshape((self.kv_heads, groups, seq, total))?
-                .broadcast_add(m)?
-                .reshape((self.kv_heads, groups * seq, total))?,
-            None => scores,
-        };
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        let out = probs.matmul(v)?; // [kv_heads, groups*seq, d]
-        Ok(out
-            .reshape((self.n_heads, seq, self.head_dim))?
-            .transpose(0, 1)?
-            .reshape((seq, self.n_heads * self.head_dim))?)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn mask_is_causal_for_chunk_rows() {
-        let m = causal_mask(2, 3, &Device::Cpu).unwrap().unwrap();
-        let m: Vec<Vec<f32>> = m.to_vec2().unwrap();
-        let inf = f32::NEG_INFINITY;
-        assert_eq!(
-            m,
-            vec![
-                vec![0., 0., 0., inf, inf],
-                vec![0., 0., 0., 0., inf],
-                vec![0., 0., 0., 0., 0.],
-            ]
-        );
-        assert!(causal_mask(7, 1, &Device::Cpu).unwrap().is_none());
     }
 }

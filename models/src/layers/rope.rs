@@ -11,9 +11,7 @@
 //! layout, so those use [`RopeStyle::Interleaved`]; GGUF qwen2/qwen3 and all HF safetensors
 //! use [`RopeStyle::HalfSplit`].
 
-use candle_core::{DType, Device, Tensor};
-
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// Which pairs of a head's dimensions are rotated together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,11 +22,17 @@ pub enum RopeStyle {
     Interleaved,
 }
 
-/// Precomputed cos/sin tables for every position of the context.
+/// Precomputed cos/sin tables (host memory) for every position of the context.
+///
+/// Rotation is elementwise per row, so a row's result depends only on its own position: the
+/// packed forward rotates the rows of many sequences, each at its own position, in one call.
 #[derive(Clone, Debug)]
 pub struct Rope {
-    cos: Tensor,
-    sin: Tensor,
+    /// `[max_pos][head_dim / 2]`.
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    half: usize,
+    max_pos: usize,
     style: RopeStyle,
 }
 
@@ -36,14 +40,14 @@ impl Rope {
     /// Tables for positions `0..max_pos` of heads of width `head_dim` (even).
     ///
     /// # Errors
-    /// If the tables cannot be allocated.
-    pub fn new(
-        head_dim: usize,
-        max_pos: usize,
-        theta: f64,
-        style: RopeStyle,
-        device: &Device,
-    ) -> Result<Self> {
+    /// [`Error::InvalidRequest`] for a `head_dim` that is not a positive even number.
+    pub fn new(head_dim: usize, max_pos: usize, theta: f64, style: RopeStyle) -> Result<Self> {
+        if !head_dim.is_multiple_of(2) || head_dim == 0 {
+            return Err(Error::InvalidRequest {
+                op: "rope",
+                reason: format!("head_dim {head_dim} is not a positive even number"),
+            });
+        }
         let half = head_dim / 2;
         // inv_freq[i] = theta^(-2i/d); angles in f64 so that large positions stay exact.
         let inv_freq: Vec<f64> = (0..half)
@@ -59,8 +63,10 @@ impl Rope {
             }
         }
         Ok(Self {
-            cos: Tensor::from_vec(cos, (max_pos, half), device)?,
-            sin: Tensor::from_vec(sin, (max_pos, half), device)?,
+            cos,
+            sin,
+            half,
+            max_pos,
             style,
         })
     }
@@ -70,21 +76,52 @@ impl Rope {
         self.style
     }
 
-    /// Rotates `xs` (`[heads, seq_len, head_dim]`, contiguous f32) whose rows are at positions
-    /// `pos..pos + seq_len`.
+    /// Rotates `xs` (`[rows][heads][head_dim]` row-major) in place, row `r` at position
+    /// `positions[r]`.
     ///
     /// # Errors
-    /// If the positions exceed the table or shapes disagree.
-    pub fn apply(&self, xs: &Tensor, pos: usize) -> Result<Tensor> {
-        let (_heads, seq_len, _d) = xs.dims3()?;
-        let cos = self.cos.narrow(0, pos, seq_len)?;
-        let sin = self.sin.narrow(0, pos, seq_len)?;
-        let xs = xs.unsqueeze(0)?.to_dtype(DType::F32)?.contiguous()?;
-        let out = match self.style {
-            RopeStyle::HalfSplit => candle_nn::rotary_emb::rope(&xs, &cos, &sin)?,
-            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&xs, &cos, &sin)?,
-        };
-        Ok(out.squeeze(0)?)
+    /// [`Error::InvalidRequest`] for a position past the table or a length mismatch.
+    pub fn apply(&self, xs: &mut [f32], heads: usize, positions: &[usize]) -> Result<()> {
+        let d = 2 * self.half;
+        let bad = |reason: String| Error::InvalidRequest { op: "rope", reason };
+        if xs.len() != positions.len() * heads * d {
+            return Err(bad(format!(
+                "{} values for {} rows of {heads} heads of {d}",
+                xs.len(),
+                positions.len()
+            )));
+        }
+        if let Some(p) = positions.iter().find(|&&p| p >= self.max_pos) {
+            return Err(bad(format!(
+                "position {p} past the table of {}",
+                self.max_pos
+            )));
+        }
+        for (row, &p) in xs.chunks_exact_mut(heads * d).zip(positions) {
+            let cos = &self.cos[p * self.half..(p + 1) * self.half];
+            let sin = &self.sin[p * self.half..(p + 1) * self.half];
+            for x in row.chunks_exact_mut(d) {
+                match self.style {
+                    // PyTorch: q * cos + rotate_half(q) * sin
+                    RopeStyle::HalfSplit => {
+                        let (a, b) = x.split_at_mut(self.half);
+                        for i in 0..self.half {
+                            let (x0, x1) = (a[i], b[i]);
+                            a[i] = x0 * cos[i] - x1 * sin[i];
+                            b[i] = x1 * cos[i] + x0 * sin[i];
+                        }
+                    }
+                    RopeStyle::Interleaved => {
+                        for (i, pair) in x.chunks_exact_mut(2).enumerate() {
+                            let (x0, x1) = (pair[0], pair[1]);
+                            pair[0] = x0 * cos[i] - x1 * sin[i];
+                            pair[1] = x1 * cos[i] + x0 * sin[i];
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -92,44 +129,60 @@ impl Rope {
 mod tests {
     use super::*;
 
-    /// The two styles are the same rotation up to a permutation of the head dimensions.
+    /// The two styles are the same rotation up to a permutation of the head dimensions, and
+    /// match candle's `rope` / `rope_i` kernels.
     #[test]
-    fn styles_agree_up_to_permutation() {
-        let d = 8;
-        let xs = Tensor::arange(0f32, (2 * 3 * d) as f32, &Device::Cpu)
-            .unwrap()
-            .reshape((2, 3, d))
-            .unwrap()
-            .affine(0.1, -1.0)
-            .unwrap();
-        let half = Rope::new(d, 16, 10_000.0, RopeStyle::HalfSplit, &Device::Cpu).unwrap();
-        let inter = Rope::new(d, 16, 10_000.0, RopeStyle::Interleaved, &Device::Cpu).unwrap();
-        // half-split index of interleaved slot j: 2i -> i, 2i+1 -> i + d/2.
-        let perm: Vec<u32> = (0..d as u32)
-            .map(|j| {
-                if j % 2 == 0 {
-                    j / 2
-                } else {
-                    j / 2 + d as u32 / 2
-                }
-            })
+    fn styles_agree_up_to_permutation_and_match_candle() {
+        use candle_core::{Device, Tensor};
+        let (d, rows, heads) = (8, 3, 2);
+        let xs: Vec<f32> = (0..rows * heads * d)
+            .map(|i| i as f32 * 0.1 - 1.0)
             .collect();
-        let perm = Tensor::new(perm, &Device::Cpu).unwrap();
-        let a = half.apply(&xs, 5).unwrap().index_select(&perm, 2).unwrap();
-        let b = inter.apply(&xs.index_select(&perm, 2).unwrap(), 5).unwrap();
-        let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-        assert!(diff.to_scalar::<f32>().unwrap() < 1e-5);
-        let a0 = half.apply(&xs, 0).unwrap();
-        // Position 0 is the identity rotation only for the first row.
-        let row0 = (a0.narrow(1, 0, 1).unwrap() - xs.narrow(1, 0, 1).unwrap()).unwrap();
-        assert_eq!(
-            row0.abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap(),
-            0.0
-        );
+        let positions = [5, 0, 9];
+        let half = Rope::new(d, 16, 10_000.0, RopeStyle::HalfSplit).unwrap();
+        let inter = Rope::new(d, 16, 10_000.0, RopeStyle::Interleaved).unwrap();
+        // half-split index of interleaved slot j: 2i -> i, 2i+1 -> i + d/2.
+        let perm: Vec<usize> = (0..d)
+            .map(|j| if j % 2 == 0 { j / 2 } else { j / 2 + d / 2 })
+            .collect();
+        let permute = |x: &[f32]| -> Vec<f32> {
+            x.chunks(d)
+                .flat_map(|h| perm.iter().map(|&p| h[p]))
+                .collect()
+        };
+        let mut a = xs.clone();
+        half.apply(&mut a, heads, &positions).unwrap();
+        let mut b = permute(&xs);
+        inter.apply(&mut b, heads, &positions).unwrap();
+        let max = permute(&a)
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(max < 1e-5, "{max}");
+        // Position 0 is the identity rotation.
+        assert_eq!(a[heads * d..2 * heads * d], xs[heads * d..2 * heads * d]);
+        // candle's kernel over [1, heads, 1, d] at position 5 (row 0).
+        let x0 =
+            Tensor::from_vec(xs[..heads * d].to_vec(), (1, heads, 1, d), &Device::Cpu).unwrap();
+        let cs = |t: &[f32]| {
+            Tensor::from_vec(t[5 * d / 2..6 * d / 2].to_vec(), (1, d / 2), &Device::Cpu).unwrap()
+        };
+        let theirs = candle_nn::rotary_emb::rope(&x0, &cs(&half.cos), &cs(&half.sin)).unwrap();
+        let theirs: Vec<f32> = theirs.flatten_all().unwrap().to_vec1().unwrap();
+        let max = theirs
+            .iter()
+            .zip(&a[..heads * d])
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(max < 1e-6, "{max}");
+    }
+
+    #[test]
+    fn rejects_positions_past_the_table_and_bad_shapes() {
+        let r = Rope::new(4, 8, 10_000.0, RopeStyle::HalfSplit).unwrap();
+        assert!(r.apply(&mut [0.0; 4], 1, &[8]).is_err());
+        assert!(r.apply(&mut [0.0; 5], 1, &[0]).is_err());
+        assert!(Rope::new(3, 8, 10_000.0, RopeStyle::HalfSplit).is_err());
     }
 }

@@ -7,6 +7,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::Tensor;
 
 use super::*;
+use crate::kv_pool::SeqId;
 use crate::loader::{load_model, LoadOptions};
 use crate::testing::TinyModel;
 use crate::weights::WeightDType;
@@ -60,7 +61,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
 
 fn last_k(k: usize) -> ForwardRequest {
     ForwardRequest {
-        last_k: k,
+        logits: Rows::Last(k),
         ..Default::default()
     }
 }
@@ -127,9 +128,9 @@ fn taps_shapes_and_final_norm_gives_logits() {
     let dir = TempDir::new();
     let m = hf_model("llama", 3, &dir);
     let req = ForwardRequest {
-        last_k: 2,
+        logits: Rows::Last(2),
         taps: vec![TapId::FinalNorm, TapId::Layer(1), TapId::Layer(0)],
-        taps_all_positions: false,
+        tap_rows: Rows::Last(2),
     };
     let mut c = m.new_cache();
     let out = m.forward(&PROMPT, &mut c, &req).unwrap();
@@ -147,7 +148,7 @@ fn taps_shapes_and_final_norm_gives_logits() {
 
     // All positions, computed in prefill chunks of 3, match one forward.
     let all = ForwardRequest {
-        taps_all_positions: true,
+        tap_rows: Rows::All,
         ..req.clone()
     };
     let mut c1 = m.new_cache();
@@ -379,5 +380,320 @@ fn load_without_tokenizer_metadata_is_a_tokenizer_error() {
     assert!(
         matches!(err, Error::Tokenizer(_) | Error::Missing { .. }),
         "{err}"
+    );
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}
+
+/// What a packed forward of one sequence gives: its logits, taps and K/V of every slot.
+#[derive(Debug, PartialEq)]
+struct Seen {
+    logits: Vec<u32>,
+    taps: Vec<Vec<u32>>,
+    kv: Vec<(Vec<u32>, Vec<u32>)>,
+}
+
+const TAPS: [TapId; 2] = [TapId::Layer(0), TapId::FinalNorm];
+
+fn seen(m: &Model, out: &BatchOutput, i: usize, pool: &KvPool, seq: SeqId) -> Seen {
+    let len = pool.len(seq).unwrap();
+    let to_bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect();
+    Seen {
+        logits: bits(&out.logits_of(i).unwrap()),
+        taps: TAPS
+            .iter()
+            .map(|t| bits(&out.tap_of(*t, i).unwrap()))
+            .collect(),
+        kv: (0..m.kv_layout().slots.len())
+            .map(|s| {
+                let (k, v) = pool.read_rows(seq, s, 0..len).unwrap();
+                (to_bits(k), to_bits(v))
+            })
+            .collect(),
+    }
+}
+
+fn rows(seq: SeqId, tokens: &[u32]) -> SeqRows {
+    SeqRows {
+        seq,
+        tokens: tokens.to_vec(),
+        logits: Rows::All,
+        taps: Rows::All,
+    }
+}
+
+/// Tiny models whose every matmul is row-invariant at every row count today (our own
+/// quantized kernels).
+const INVARIANT: [GgmlDType; 2] = [GgmlDType::Q4_0, GgmlDType::Q5_0];
+
+/// Tiny models whose matmuls become row-invariant with the `kernels` branch (dense f32 and
+/// candle's Q8_0 over more than 16 rows); `None` is the HF f32 directory.
+const AFTER_KERNELS: [Option<GgmlDType>; 2] = [None, Some(GgmlDType::Q8_0)];
+
+/// A tiny `arch` model as an HF f32 directory (`None`) or a GGUF of `dtype`.
+fn tiny_model(arch: &str, seed: u64, dtype: Option<GgmlDType>, dir: &TempDir) -> Model {
+    let tiny = TinyModel::new(arch, seed).unwrap();
+    let path = match dtype {
+        None => {
+            tiny.write_hf_dir(dir.path()).unwrap();
+            dir.path().to_path_buf()
+        }
+        Some(dt) => {
+            let p = dir.path().join(format!("tiny-{dt:?}.gguf"));
+            tiny.write_gguf(&p, dt).unwrap();
+            p
+        }
+    };
+    load_model(&path, &LoadOptions::default()).unwrap()
+}
+
+#[test]
+fn packed_rows_equal_each_sequence_alone() {
+    for dt in INVARIANT {
+        for arch in ARCHS {
+            packed_rows_equal_alone(&tiny_model(arch, 11, Some(dt), &TempDir::new()));
+        }
+    }
+}
+
+#[test]
+#[ignore = "waits on the kernels branch (row-invariant dense f32 / Q8_0 matmuls)"]
+fn packed_rows_equal_each_sequence_alone_f32_q8() {
+    for dt in AFTER_KERNELS {
+        packed_rows_equal_alone(&tiny_model("qwen3", 11, dt, &TempDir::new()));
+    }
+}
+
+#[test]
+fn rows_are_independent_of_chunking() {
+    for dt in INVARIANT {
+        rows_independent_of_chunking(&tiny_model("llama", 12, Some(dt), &TempDir::new()));
+    }
+}
+
+#[test]
+#[ignore = "waits on the kernels branch (row-invariant dense f32 / Q8_0 matmuls)"]
+fn rows_are_independent_of_chunking_f32_q8() {
+    for dt in AFTER_KERNELS {
+        rows_independent_of_chunking(&tiny_model("llama", 12, dt, &TempDir::new()));
+    }
+}
+
+/// The rows of `[A; B]` in one packed forward equal A alone and B alone, bit for bit (logits,
+/// taps, K/V), for decode rows after a prefix as well as for prompts.
+fn packed_rows_equal_alone(m: &Model) {
+    let path = m.weights_path().to_path_buf();
+    {
+        let a_prompt: Vec<u32> = (0..37).map(|i| (i * 5 + 1) % 96).collect();
+        let b_prompt = [3u32, 9, 27, 81];
+        let solo = |prefix: &[u32], tokens: &[u32]| {
+            let mut pool = m.new_pool(8).unwrap();
+            let s = pool.create();
+            if !prefix.is_empty() {
+                m.forward_batch(
+                    &Batch {
+                        seqs: vec![rows(s, prefix)],
+                        taps: vec![],
+                    },
+                    &mut pool,
+                )
+                .unwrap();
+            }
+            let batch = Batch {
+                seqs: vec![rows(s, tokens)],
+                taps: TAPS.to_vec(),
+            };
+            let out = m.forward_batch(&batch, &mut pool).unwrap();
+            seen(m, &out, 0, &pool, s)
+        };
+        // Prompts together.
+        let mut pool = m.new_pool(8).unwrap();
+        let (a, b) = (pool.create(), pool.create());
+        let batch = Batch {
+            seqs: vec![rows(a, &a_prompt), rows(b, &b_prompt)],
+            taps: TAPS.to_vec(),
+        };
+        let out = m.forward_batch(&batch, &mut pool).unwrap();
+        assert_eq!(out.logit_rows, vec![0..37, 37..41]);
+        assert_eq!(
+            seen(m, &out, 0, &pool, a),
+            solo(&[], &a_prompt),
+            "{path:?}: A"
+        );
+        assert_eq!(
+            seen(m, &out, 1, &pool, b),
+            solo(&[], &b_prompt),
+            "{path:?}: B"
+        );
+        // Then a verify window of A beside a decode row of B (B first in the batch).
+        let batch = Batch {
+            seqs: vec![rows(b, &[50]), rows(a, &[7, 8, 9])],
+            taps: TAPS.to_vec(),
+        };
+        let out = m.forward_batch(&batch, &mut pool).unwrap();
+        let a_all = [&a_prompt[..], &[7, 8, 9]].concat();
+        let mut want_a = solo(&a_prompt, &[7, 8, 9]);
+        let mut got_a = seen(m, &out, 1, &pool, a);
+        assert_eq!(got_a.kv, solo(&[], &a_all).kv, "{path:?}: A's K/V");
+        (want_a.kv, got_a.kv) = (vec![], vec![]);
+        assert_eq!(got_a, want_a, "{path:?}: A's window");
+        assert_eq!(
+            seen(m, &out, 0, &pool, b),
+            solo(&b_prompt, &[50]),
+            "{path:?}: B's step"
+        );
+    }
+}
+
+/// Prefill in chunks of 1..=N gives the bits of one chunk (logits of the requested rows, taps
+/// of all rows, every K/V row), and a decode step after it too.
+fn rows_independent_of_chunking(m: &Model) {
+    let prompt: Vec<u32> = (0..45).map(|i| (i * 11 + 3) % 96).collect();
+    let req = ForwardRequest {
+        logits: Rows::Only(vec![0, 17, 33, 44]),
+        taps: TAPS.to_vec(),
+        tap_rows: Rows::All,
+    };
+    let run = |chunk: usize| {
+        let mut c = m.new_cache();
+        let out = m.forward_chunked(&prompt, &mut c, &req, chunk).unwrap();
+        let step = m.forward(&[5], &mut c, &Default::default()).unwrap();
+        let (pool, seq) = c.pool();
+        let kv = pool.read_rows(seq, 1, 0..prompt.len() + 1).unwrap();
+        let taps: Vec<Vec<u32>> = out.taps.iter().map(|(_, t)| bits(t)).collect();
+        (bits(&out.logits), taps, bits(&step.logits), kv.0, kv.1)
+    };
+    let one = run(prompt.len());
+    assert_eq!(one.1[0].len(), prompt.len() * 64);
+    for chunk in [1, 2, 3, 7, 16, 31, 32, 33] {
+        assert!(
+            run(chunk) == one,
+            "{:?}: chunk {chunk} differs",
+            m.weights_path()
+        );
+    }
+}
+
+#[test]
+fn batch_errors_roll_back_every_sequence() {
+    let dir = TempDir::new();
+    let m = tiny_model("qwen2", 13, Some(GgmlDType::Q4_0), &dir);
+    // Two blocks: A takes one, B's 40 tokens need two.
+    let mut pool = m.new_pool(2).unwrap();
+    let (a, b) = (pool.create(), pool.create());
+    m.forward_batch(
+        &Batch {
+            seqs: vec![rows(a, &[1, 2, 3])],
+            taps: vec![],
+        },
+        &mut pool,
+    )
+    .unwrap();
+    let batch = Batch {
+        seqs: vec![rows(a, &[4]), rows(b, &[5; 40])],
+        taps: vec![],
+    };
+    let err = m.forward_batch(&batch, &mut pool).unwrap_err();
+    assert!(matches!(err, Error::KvPoolFull { .. }), "{err}");
+    assert_eq!((pool.len(a).unwrap(), pool.len(b).unwrap()), (3, 0));
+    let bad = [
+        Batch::default(),
+        Batch {
+            seqs: vec![rows(a, &[])],
+            taps: vec![],
+        },
+        Batch {
+            seqs: vec![rows(a, &[1]), rows(a, &[2])],
+            taps: vec![],
+        },
+        Batch {
+            seqs: vec![rows(a, &[1]), rows(b, &[96])],
+            taps: vec![],
+        },
+        Batch {
+            seqs: vec![SeqRows {
+                logits: Rows::Only(vec![1, 0]),
+                ..rows(a, &[1, 2])
+            }],
+            taps: vec![],
+        },
+        Batch {
+            seqs: vec![SeqRows {
+                taps: Rows::Last(3),
+                ..rows(a, &[1, 2])
+            }],
+            taps: vec![],
+        },
+        Batch {
+            seqs: vec![rows(a, &[1])],
+            taps: vec![TapId::Layer(2)],
+        },
+    ];
+    for batch in bad {
+        let err = m.forward_batch(&batch, &mut pool).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidRequest { .. }),
+            "{batch:?}: {err}"
+        );
+        assert_eq!(
+            (pool.len(a).unwrap(), pool.len(b).unwrap()),
+            (3, 0),
+            "{batch:?}"
+        );
+    }
+    // A pool made for another model (3 layers).
+    let mut wrong = KvPool::new(crate::kv_pool::KvLayout::uniform(3, 2, 16), 2).unwrap();
+    let s = wrong.create();
+    let err = m
+        .forward_batch(
+            &Batch {
+                seqs: vec![rows(s, &[1])],
+                taps: vec![],
+            },
+            &mut wrong,
+        )
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidRequest { .. }), "{err}");
+    // A prefix hit skips the shared blocks and gives the same logits.
+    let long: Vec<u32> = (0..40).map(|i| (i * 3) % 96).collect();
+    let mut pool = m.new_pool(8).unwrap();
+    let first = pool.create();
+    let out1 = m
+        .forward_batch(
+            &Batch {
+                seqs: vec![rows(first, &long)],
+                taps: vec![],
+            },
+            &mut pool,
+        )
+        .unwrap();
+    pool.release(first).unwrap();
+    let second = pool.create();
+    let hit = pool.adopt_prefix(second, &long[..long.len() - 1]).unwrap();
+    assert_eq!(hit, crate::kv_pool::BLOCK_SIZE);
+    let rest = SeqRows {
+        logits: Rows::Last(1),
+        ..rows(second, &long[hit..])
+    };
+    let out2 = m
+        .forward_batch(
+            &Batch {
+                seqs: vec![rest],
+                taps: vec![],
+            },
+            &mut pool,
+        )
+        .unwrap();
+    assert_eq!(
+        bits(&out2.logits),
+        bits(&out1.logits.narrow(0, 39, 1).unwrap())
     );
 }

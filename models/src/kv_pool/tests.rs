@@ -1,0 +1,213 @@
+//! Pool bookkeeping: tables, rollback, sharing, copy-on-write, the prefix index, eviction and
+//! fullness, with recognisable K/V values.
+
+use super::*;
+
+const B: usize = BLOCK_SIZE;
+
+fn layout() -> KvLayout {
+    KvLayout {
+        slots: vec![
+            SlotShape {
+                kv_heads: 2,
+                head_dim: 4,
+            },
+            SlotShape {
+                kv_heads: 1,
+                head_dim: 8,
+            },
+        ],
+    }
+}
+
+/// The K row of `token` at `pos`: distinct per (token, position, slot).
+fn row(token: u32, pos: usize, slot: usize, width: usize) -> Vec<f32> {
+    (0..width)
+        .map(|i| (token as usize * 100_000 + pos * 100 + slot * 10 + i) as f32)
+        .collect()
+}
+
+/// Appends `tokens` and writes their K (and V = -K) in every slot, as a forward would.
+fn feed(pool: &mut KvPool, seq: SeqId, tokens: &[u32]) {
+    let start = pool.len(seq).unwrap();
+    pool.append(seq, tokens).unwrap();
+    for (i, &t) in tokens.iter().enumerate() {
+        let (b, off) = pool.locate(seq, start + i).unwrap();
+        for slot in 0..2 {
+            let k = row(t, start + i, slot, 8);
+            let v: Vec<f32> = k.iter().map(|x| -x).collect();
+            pool.write(slot, b, off, &k, &v);
+        }
+    }
+    pool.index_full_blocks(seq).unwrap();
+}
+
+/// Every position's K and V in every slot are what `feed` wrote for `tokens`.
+fn check(pool: &KvPool, seq: SeqId, tokens: &[u32]) {
+    assert_eq!(pool.tokens(seq).unwrap(), tokens);
+    for slot in 0..2 {
+        let (k, v) = pool.read_rows(seq, slot, 0..tokens.len()).unwrap();
+        for (p, &t) in tokens.iter().enumerate() {
+            let want = row(t, p, slot, 8);
+            assert_eq!(k[p * 8..(p + 1) * 8], want[..], "slot {slot} pos {p}");
+            assert_eq!(v[p * 8], -want[0]);
+        }
+    }
+}
+
+fn ids(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| i * 7 + salt).collect()
+}
+
+#[test]
+fn append_truncate_release_account_blocks() {
+    let mut pool = KvPool::new(layout(), 8).unwrap();
+    let a = pool.create();
+    let t = ids(2 * B + 5, 1);
+    assert_eq!(pool.blocks_needed(a, t.len()).unwrap(), 3);
+    feed(&mut pool, a, &t[..B + 3]);
+    feed(&mut pool, a, &t[B + 3..]);
+    check(&pool, a, &t);
+    assert_eq!(pool.blocks(a).unwrap().len(), 3);
+    assert_eq!(pool.stats().used_blocks, 3);
+    pool.truncate(a, B).unwrap();
+    assert_eq!(pool.blocks(a).unwrap().len(), 1, "tail blocks released");
+    assert_eq!(pool.stats().used_blocks, 1);
+    // Regrow over the truncated positions with other tokens.
+    let u = [&t[..B], &ids(10, 500)[..]].concat();
+    feed(&mut pool, a, &u[B..]);
+    check(&pool, a, &u);
+    assert!(pool.truncate(a, u.len() + 1).is_err());
+    pool.release(a).unwrap();
+    assert!(!pool.contains(a));
+    assert!(pool.len(a).is_err(), "a released handle is rejected");
+    let b = pool.create();
+    assert!(pool.len(a).is_err(), "also after its index is reused");
+    assert_eq!(pool.len(b).unwrap(), 0);
+    assert_eq!(pool.stats().used_blocks, 0);
+}
+
+#[test]
+fn fork_shares_full_blocks_and_copies_on_write() {
+    let mut pool = KvPool::new(layout(), 16).unwrap();
+    let a = pool.create();
+    let t = ids(B + 10, 3);
+    feed(&mut pool, a, &t);
+    let used = pool.stats().used_blocks;
+    let b = pool.fork(a, B + 4).unwrap();
+    assert_eq!(
+        pool.blocks(b).unwrap()[0],
+        pool.blocks(a).unwrap()[0],
+        "full block shared"
+    );
+    assert_ne!(
+        pool.blocks(b).unwrap()[1],
+        pool.blocks(a).unwrap()[1],
+        "partial one copied"
+    );
+    assert_eq!(pool.stats().used_blocks, used + 1);
+    check(&pool, b, &t[..B + 4]);
+    // b diverges inside its own block; a is untouched.
+    let bt = [&t[..B + 4], &ids(3, 900)[..]].concat();
+    feed(&mut pool, b, &bt[B + 4..]);
+    check(&pool, a, &t);
+    check(&pool, b, &bt);
+    // b rolls back into the shared block and rewrites it: copy on write, a keeps its data.
+    pool.truncate(b, 5).unwrap();
+    let bt2 = [&t[..5], &ids(4, 77)[..]].concat();
+    assert_eq!(pool.blocks_needed(b, 4).unwrap(), 1, "the copy");
+    feed(&mut pool, b, &bt2[5..]);
+    assert_ne!(pool.blocks(b).unwrap()[0], pool.blocks(a).unwrap()[0]);
+    check(&pool, a, &t);
+    check(&pool, b, &bt2);
+    assert!(pool.fork(a, t.len() + 1).is_err());
+}
+
+#[test]
+fn prefix_index_adopts_longest_chain_and_survives_release() {
+    let mut pool = KvPool::new(layout(), 16).unwrap();
+    let a = pool.create();
+    let t = ids(3 * B + 7, 5);
+    feed(&mut pool, a, &t);
+    pool.release(a).unwrap();
+    assert_eq!(pool.stats().cached_blocks, 3, "full blocks stay cached");
+
+    // Same first two blocks, then a different third.
+    let mut u = t.clone();
+    u[2 * B + 1] += 1;
+    let b = pool.create();
+    assert_eq!(pool.adopt_prefix(b, &u).unwrap(), 2 * B);
+    check(&pool, b, &t[..2 * B]);
+    assert_eq!(pool.stats().cached_blocks, 1);
+    let s = pool.stats();
+    assert_eq!(
+        (s.prefix_query_tokens, s.prefix_hit_tokens),
+        (3 * B as u64, 2 * B as u64)
+    );
+    feed(&mut pool, b, &u[2 * B..]);
+    check(&pool, b, &u);
+    assert!(
+        pool.adopt_prefix(b, &u).is_err(),
+        "only an empty sequence adopts"
+    );
+
+    // A different first block matches nothing, even with equal later blocks.
+    let mut w = t.clone();
+    w[0] += 1;
+    let c = pool.create();
+    assert_eq!(pool.adopt_prefix(c, &w).unwrap(), 0);
+
+    // Rolling back into an indexed block and rewriting it takes it out of the index.
+    let d = pool.create();
+    assert_eq!(
+        pool.adopt_prefix(d, &t).unwrap(),
+        3 * B,
+        "t's third block was still cached"
+    );
+    pool.release(b).unwrap();
+    pool.truncate(d, B + 3).unwrap();
+    // Block 1 is now shared by nobody else: d writes in place and unindexes it.
+    feed(&mut pool, d, &ids(2, 4000));
+    let e = pool.create();
+    assert_eq!(
+        pool.adopt_prefix(e, &t).unwrap(),
+        B,
+        "block 1 no longer matches t"
+    );
+}
+
+#[test]
+fn full_pool_errors_evicts_lru_and_leaves_sequences_intact() {
+    let mut pool = KvPool::new(layout(), 3).unwrap();
+    let a = pool.create();
+    let t = ids(2 * B, 9);
+    feed(&mut pool, a, &t);
+    let b = pool.create();
+    let u = ids(B + 1, 11);
+    let err = pool.append(b, &u).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::KvPoolFull {
+                needed: 2,
+                available: 1
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(pool.len(b).unwrap(), 0, "all or nothing");
+    // Releasing a caches its blocks; b's allocation evicts the oldest first.
+    pool.release(a).unwrap();
+    assert_eq!(pool.available_blocks(), 3);
+    feed(&mut pool, b, &u);
+    check(&pool, b, &u);
+    let c = pool.create();
+    // Release unrefs in table order, so t's first block was the least recently released.
+    assert_eq!(
+        pool.adopt_prefix(c, &t).unwrap(),
+        0,
+        "t's first block was evicted"
+    );
+    assert!(KvPool::new(layout(), 0).is_err());
+    assert!(KvPool::new(KvLayout { slots: vec![] }, 4).is_err());
+}
