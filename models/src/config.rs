@@ -57,6 +57,366 @@ pub struct ModelConfig {
     /// End-of-sequence token id(s); HF allows a list.
     #[serde(default, deserialize_with = "de_eos")]
     pub eos_token_id: Vec<u32>,
+    /// The Gemma-only hyper-parameters (absent for other families).
+    #[serde(flatten)]
+    pub gemma: GemmaConfig,
+}
+
+/// The `config.json` fields of Gemma 3 that other families lack, as HF names them.
+///
+/// Every field is optional: a GGUF stores few of them, and [`ModelConfig::gemma3`] fills the
+/// gaps with the per-model defaults llama.cpp and transformers use.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GemmaConfig {
+    /// Attention scores are scaled by `query_pre_attn_scalar^-0.5` (not `head_dim^-0.5`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Keys a sliding-window layer sees (the current one and `sliding_window - 1` before it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<usize>,
+    /// Per layer: `sliding_attention` or `full_attention`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_types: Option<Vec<LayerType>>,
+    /// Older configs: every `sliding_window_pattern`-th layer is global, the others slide.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window_pattern: Option<usize>,
+    /// RoPE base of the sliding layers (`rope_theta` is the global layers').
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_local_base_freq: Option<f64>,
+    /// `logits = cap * tanh(logits / cap)` after `lm_head`, when set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_logit_softcapping: Option<f64>,
+    /// The same on attention scores (Gemma 2); not supported, refused when set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attn_logit_softcapping: Option<f64>,
+    /// The MLP activation (`gelu_pytorch_tanh` for Gemma).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hidden_activation: Option<String>,
+    /// Gemma 4: the last `num_kv_shared_layers` layers reuse the K/V of the last earlier layer
+    /// of their type.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_kv_shared_layers: Option<usize>,
+    /// Gemma 4: per-layer overrides (`head_dim`, `num_key_value_heads` of global layers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_layer_config: Option<std::collections::BTreeMap<String, LayerOverride>>,
+    /// Gemma 4 (older configs): head width of the global layers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub global_head_dim: Option<usize>,
+    /// Gemma 4 (older configs): K/V heads of the global layers when `attention_k_eq_v`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_global_key_value_heads: Option<usize>,
+    /// Gemma 4: global layers use K (before its norm) as V, with no `v_proj`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_k_eq_v: Option<bool>,
+    /// Gemma 4: width of the per-layer embeddings (0 or absent: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hidden_size_per_layer_input: Option<usize>,
+    /// Gemma 4: rows of the per-layer embedding table.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vocab_size_per_layer_input: Option<usize>,
+    /// Gemma 4: KV-shared layers have an MLP twice as wide.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub use_double_wide_mlp: Option<bool>,
+    /// Gemma 4 26B-A4B: mixture-of-experts blocks; not supported, refused when true.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enable_moe_block: Option<bool>,
+    /// Gemma 4: `partial_rotary_factor` of the global layers' proportional RoPE (from
+    /// `rope_parameters.full_attention`; 1 when absent).
+    #[serde(skip)]
+    pub rope_global_partial_factor: Option<f64>,
+}
+
+/// One entry of Gemma 4's `per_layer_config`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LayerOverride {
+    /// Head width of the layer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
+    /// K/V heads of the layer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_key_value_heads: Option<usize>,
+}
+
+/// Where a Gemma 4 layer's K/V comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvSource {
+    /// The layer computes and stores its own.
+    Own,
+    /// The layer reuses the K/V of the given earlier layer.
+    SharedFrom(usize),
+}
+
+/// One Gemma 4 layer's shape, every default resolved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gemma4Layer {
+    /// Sliding or global.
+    pub kind: LayerType,
+    /// Head width.
+    pub head_dim: usize,
+    /// K/V heads.
+    pub kv_heads: usize,
+    /// Own or shared K/V.
+    pub kv: KvSource,
+    /// V is K before its norm (no `v_proj`).
+    pub k_eq_v: bool,
+    /// MLP width.
+    pub intermediate_size: usize,
+}
+
+/// Gemma 4's hyper-parameters with every default resolved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gemma4Params {
+    /// Every layer.
+    pub layers: Vec<Gemma4Layer>,
+    /// Window of the sliding layers.
+    pub sliding_window: usize,
+    /// RoPE base of the sliding layers.
+    pub rope_local_base: f64,
+    /// RoPE base of the global layers.
+    pub rope_global_base: f64,
+    /// Fraction of the global layers' rotary pairs that rotate (proportional RoPE).
+    pub rope_global_partial_factor: f64,
+    /// Width of the per-layer embeddings (0: none).
+    pub per_layer_input: usize,
+    /// Rows of the per-layer embedding table.
+    pub per_layer_vocab: usize,
+    /// Final logit softcap.
+    pub final_logit_softcapping: Option<f64>,
+}
+
+/// The attention kind of one Gemma layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerType {
+    /// Attends to the last `sliding_window` positions, with the local RoPE base.
+    SlidingAttention,
+    /// Attends to every position, with the global RoPE base.
+    FullAttention,
+}
+
+/// Gemma 3's hyper-parameters with every default resolved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gemma3Params {
+    /// Score scale `query_pre_attn_scalar^-0.5`.
+    pub attn_scale: f32,
+    /// Window of the sliding layers.
+    pub sliding_window: usize,
+    /// Kind of every layer.
+    pub layer_types: Vec<LayerType>,
+    /// RoPE base of the sliding layers.
+    pub rope_local_base: f64,
+    /// RoPE base of the global layers.
+    pub rope_global_base: f64,
+    /// Final logit softcap.
+    pub final_logit_softcapping: Option<f64>,
+}
+
+/// What Gemma 3 GGUFs leave out, in one place: the values of llama.cpp (`llama-model.cpp`,
+/// `LLM_ARCH_GEMMA3`) and of transformers' `Gemma3TextConfig`, which agree.
+pub mod gemma3_defaults {
+    /// Every 6th layer is global, the 5 before it slide.
+    pub const SLIDING_WINDOW_PATTERN: usize = 6;
+    /// RoPE base of the sliding layers.
+    pub const ROPE_LOCAL_BASE: f64 = 10_000.0;
+    /// `query_pre_attn_scalar` = `head_dim` for every Gemma 3 but the 27B (llama.cpp:
+    /// `n_embd / n_head` there); the 27B is told apart by its width.
+    pub const QUERY_PRE_ATTN_SCALAR_27B_HIDDEN: usize = 5376;
+    /// Sliding window when neither the file nor the config names one.
+    pub const SLIDING_WINDOW: usize = 4096;
+    /// Gemma 3 has no final logit softcap.
+    pub const FINAL_LOGIT_SOFTCAPPING: Option<f64> = None;
+}
+
+impl ModelConfig {
+    /// Gemma 3's parameters, the gaps filled from [`gemma3_defaults`].
+    ///
+    /// # Errors
+    /// What is wrong, for an attention softcap (not implemented), a `layer_types` of the wrong
+    /// length, a zero window or pattern, or an activation other than GELU-tanh.
+    pub fn gemma3(&self) -> std::result::Result<Gemma3Params, String> {
+        use gemma3_defaults as d;
+        let g = &self.gemma;
+        if let Some(cap) = g.attn_logit_softcapping {
+            return Err(format!(
+                "attn_logit_softcapping = {cap} is not supported (Gemma 2 attention softcap)"
+            ));
+        }
+        match g.hidden_activation.as_deref() {
+            None | Some("gelu_pytorch_tanh") | Some("gelu_tanh") => {}
+            Some(other) => return Err(format!("hidden_activation `{other}` is not supported")),
+        }
+        let n = self.num_hidden_layers;
+        let layer_types = match (&g.layer_types, g.sliding_window_pattern) {
+            (Some(types), _) if types.len() != n => {
+                return Err(format!(
+                    "layer_types has {} entries for {n} layers",
+                    types.len()
+                ))
+            }
+            (Some(types), _) => types.clone(),
+            (None, Some(0)) => return Err("sliding_window_pattern is 0".into()),
+            (None, pattern) => {
+                let pattern = pattern.unwrap_or(d::SLIDING_WINDOW_PATTERN);
+                (0..n)
+                    .map(|l| match (l + 1) % pattern {
+                        0 => LayerType::FullAttention,
+                        _ => LayerType::SlidingAttention,
+                    })
+                    .collect()
+            }
+        };
+        let sliding_window = g.sliding_window.unwrap_or(d::SLIDING_WINDOW);
+        if sliding_window == 0 {
+            return Err("sliding_window is 0".into());
+        }
+        let scalar = g.query_pre_attn_scalar.unwrap_or_else(|| {
+            match self.hidden_size == d::QUERY_PRE_ATTN_SCALAR_27B_HIDDEN {
+                true => (self.hidden_size / self.num_attention_heads) as f64,
+                false => self.head_dim() as f64,
+            }
+        });
+        if scalar <= 0.0 {
+            return Err(format!("query_pre_attn_scalar {scalar} must be positive"));
+        }
+        Ok(Gemma3Params {
+            attn_scale: scalar.powf(-0.5) as f32,
+            sliding_window,
+            layer_types,
+            rope_local_base: g.rope_local_base_freq.unwrap_or(d::ROPE_LOCAL_BASE),
+            rope_global_base: self.rope_theta,
+            final_logit_softcapping: g.final_logit_softcapping.or(d::FINAL_LOGIT_SOFTCAPPING),
+        })
+    }
+
+    /// Whether this is a Gemma 4 text model (HF `gemma4_text`, GGUF `gemma4`).
+    pub fn is_gemma4(&self) -> bool {
+        matches!(self.model_type.as_str(), "gemma4" | "gemma4_text")
+    }
+
+    /// Gemma 4's parameters (HF `Gemma4TextConfig`, including its `kv_sharing_modes`).
+    ///
+    /// # Errors
+    /// What is wrong, for mixture-of-experts blocks or a softcap (not implemented), layer
+    /// types that do not match the layer count, or KV sharing without a donor of some type.
+    pub fn gemma4(&self) -> std::result::Result<Gemma4Params, String> {
+        let g = &self.gemma;
+        if g.enable_moe_block == Some(true) {
+            return Err("enable_moe_block (Gemma 4 mixture of experts) is not supported".into());
+        }
+        if let Some(cap) = g.attn_logit_softcapping {
+            return Err(format!("attn_logit_softcapping = {cap} is not supported"));
+        }
+        match g.hidden_activation.as_deref() {
+            None | Some("gelu_pytorch_tanh") | Some("gelu_tanh") => {}
+            Some(other) => return Err(format!("hidden_activation `{other}` is not supported")),
+        }
+        let n = self.num_hidden_layers;
+        let kinds = match &g.layer_types {
+            Some(types) if types.len() != n => {
+                return Err(format!(
+                    "layer_types has {} entries for {n} layers",
+                    types.len()
+                ))
+            }
+            Some(types) => types.clone(),
+            // Gemma4TextConfig: every 6th layer global, and the last one always.
+            None => (0..n)
+                .map(|l| match (l + 1) % 6 == 0 || l + 1 == n {
+                    true => LayerType::FullAttention,
+                    false => LayerType::SlidingAttention,
+                })
+                .collect(),
+        };
+        let shared = g.num_kv_shared_layers.unwrap_or(0);
+        if shared > n {
+            return Err(format!(
+                "num_kv_shared_layers {shared} exceeds the {n} layers"
+            ));
+        }
+        if shared == n {
+            return Err("every layer shares K/V: an assistant, not a target model".into());
+        }
+        let first_shared = n - shared;
+        let k_eq_v = g.attention_k_eq_v.unwrap_or(false);
+        let mut layers = Vec::with_capacity(n);
+        for (l, &kind) in kinds.iter().enumerate() {
+            let over = g
+                .per_layer_config
+                .as_ref()
+                .and_then(|m| m.get(&l.to_string()))
+                .cloned()
+                .unwrap_or_default();
+            let global = kind == LayerType::FullAttention;
+            let head_dim = over
+                .head_dim
+                .or(if global { g.global_head_dim } else { None })
+                .unwrap_or_else(|| self.head_dim());
+            let kv_heads = over
+                .num_key_value_heads
+                .or(if global && k_eq_v {
+                    g.num_global_key_value_heads
+                } else {
+                    None
+                })
+                .unwrap_or_else(|| self.kv_heads());
+            let kv = match l < first_shared {
+                true => KvSource::Own,
+                false => match (0..first_shared).rev().find(|&d| kinds[d] == kind) {
+                    Some(donor) => KvSource::SharedFrom(donor),
+                    None => {
+                        return Err(format!(
+                            "layer {l} shares K/V but no earlier layer is of its type"
+                        ))
+                    }
+                },
+            };
+            let double = g.use_double_wide_mlp == Some(true) && l >= first_shared;
+            if !self.num_attention_heads.is_multiple_of(kv_heads.max(1)) || kv_heads == 0 {
+                return Err(format!(
+                    "layer {l}: {kv_heads} K/V heads for {} query heads",
+                    self.num_attention_heads
+                ));
+            }
+            if head_dim == 0 || !head_dim.is_multiple_of(2) {
+                return Err(format!(
+                    "layer {l}: head_dim {head_dim} must be even and > 0"
+                ));
+            }
+            layers.push(Gemma4Layer {
+                kind,
+                head_dim,
+                kv_heads,
+                kv,
+                k_eq_v: k_eq_v && global,
+                intermediate_size: self.intermediate_size * if double { 2 } else { 1 },
+            });
+        }
+        for layer in &layers {
+            if let KvSource::SharedFrom(d) = layer.kv {
+                let donor = &layers[d];
+                if (donor.head_dim, donor.kv_heads) != (layer.head_dim, layer.kv_heads) {
+                    return Err(format!(
+                        "a shared layer's K/V shape differs from its donor {d}'s"
+                    ));
+                }
+            }
+        }
+        let sliding_window = g.sliding_window.unwrap_or(512);
+        if sliding_window == 0 {
+            return Err("sliding_window is 0".into());
+        }
+        let per_layer_input = g.hidden_size_per_layer_input.unwrap_or(0);
+        Ok(Gemma4Params {
+            layers,
+            sliding_window,
+            rope_local_base: g.rope_local_base_freq.unwrap_or(10_000.0),
+            rope_global_base: self.rope_theta,
+            rope_global_partial_factor: g.rope_global_partial_factor.unwrap_or(1.0),
+            per_layer_input,
+            per_layer_vocab: g.vocab_size_per_layer_input.unwrap_or(self.vocab_size),
+            final_logit_softcapping: g.final_logit_softcapping,
+        })
+    }
 }
 
 fn default_rms_norm_eps() -> f64 {
@@ -85,6 +445,11 @@ fn de_eos<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Vec<u32
 }
 
 impl ModelConfig {
+    /// Whether this is a Gemma 3 text model (GGUF `gemma3`, HF `gemma3_text`).
+    pub fn is_gemma3(&self) -> bool {
+        matches!(self.model_type.as_str(), "gemma3" | "gemma3_text")
+    }
+
     /// Number of key/value heads, resolving the HF default.
     pub fn kv_heads(&self) -> usize {
         self.num_key_value_heads.unwrap_or(self.num_attention_heads)
@@ -119,8 +484,46 @@ impl ModelConfig {
         // transformers 5 moved `rope_theta` into `rope_parameters` (older files: `rope_scaling`
         // beside a top-level `rope_theta`). Only plain rope is implemented: refuse the scaled
         // kinds instead of decoding with wrong positions.
+        // Gemma (transformers 5) keys rope_parameters by layer type.
+        if let Some(per_type) = raw
+            .get("rope_parameters")
+            .filter(|v| v.get("full_attention").is_some())
+        {
+            for (layer, rope) in per_type.as_object().into_iter().flatten() {
+                match rope.get("rope_type").and_then(|v| v.as_str()) {
+                    None | Some("default") => {}
+                    // Gemma 4's global layers: only a fraction of the pairs rotate.
+                    Some("proportional")
+                        if layer == "full_attention"
+                            && rope.get("factor").and_then(|v| v.as_f64()).unwrap_or(1.0)
+                                == 1.0 =>
+                    {
+                        cfg.gemma.rope_global_partial_factor = Some(
+                            rope.get("partial_rotary_factor")
+                                .and_then(|v| v.as_f64())
+                                .unwrap_or(1.0),
+                        );
+                    }
+                    Some(other) => {
+                        return Err(invalid(format!(
+                            "rope_parameters.{layer}.rope_type `{other}` is not supported \
+                             (only default rope)"
+                        )))
+                    }
+                }
+                let theta = rope.get("rope_theta").and_then(|v| v.as_f64());
+                match (layer.as_str(), theta) {
+                    ("full_attention", Some(t)) => cfg.rope_theta = t,
+                    ("sliding_attention", Some(t)) => cfg.gemma.rope_local_base_freq = Some(t),
+                    _ => {}
+                }
+            }
+        }
         for key in ["rope_parameters", "rope_scaling"] {
-            let Some(rope) = raw.get(key).filter(|v| !v.is_null()) else {
+            let Some(rope) = raw
+                .get(key)
+                .filter(|v| !v.is_null() && v.get("full_attention").is_none())
+            else {
                 continue;
             };
             if raw.get("rope_theta").is_none() {
@@ -196,6 +599,12 @@ impl ModelConfig {
                 .opt_usize("tokenizer.ggml.eos_token_id")?
                 .map(|v| vec![v as u32])
                 .unwrap_or_default(),
+            gemma: GemmaConfig {
+                sliding_window: md.opt_usize(&key("attention.sliding_window"))?,
+                final_logit_softcapping: md.opt_f64(&key("final_logit_softcapping"))?,
+                attn_logit_softcapping: md.opt_f64(&key("attn_logit_softcapping"))?,
+                ..GemmaConfig::default()
+            },
             model_type: arch,
         };
         cfg.validate(path)?;
@@ -229,6 +638,16 @@ impl ModelConfig {
         }
         if self.head_dim() == 0 || !self.head_dim().is_multiple_of(2) {
             return bad(format!("head_dim {} must be even and > 0", self.head_dim()));
+        }
+        if self.is_gemma3() {
+            if let Err(reason) = self.gemma3() {
+                return bad(reason);
+            }
+        }
+        if self.is_gemma4() {
+            if let Err(reason) = self.gemma4() {
+                return bad(reason);
+            }
         }
         Ok(())
     }
@@ -384,5 +803,100 @@ mod tests {
                 .to_string();
         assert!(err.contains("llama3"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn gemma3_gguf_fills_the_missing_hyper_parameters() {
+        let path = crate::tokenizer::tests::real_model("gemma3-270m");
+        let content = crate::tokenizer::read_gguf_metadata(&path).unwrap();
+        let cfg = ModelConfig::from_gguf(&content, &path).unwrap();
+        assert!(cfg.is_gemma3() && cfg.tie_word_embeddings);
+        let p = cfg.gemma3().unwrap();
+        // The values transformers' Gemma3TextConfig uses for this file (tests/fixtures/gemma3-270m.json).
+        assert_eq!(p.attn_scale, 256f64.powf(-0.5) as f32);
+        assert_eq!(p.sliding_window, 512);
+        assert_eq!(
+            (p.rope_local_base, p.rope_global_base),
+            (10_000.0, 1_000_000.0)
+        );
+        let global: Vec<usize> = (0..18)
+            .filter(|&l| p.layer_types[l] == LayerType::FullAttention)
+            .collect();
+        assert_eq!(global, [5, 11, 17]);
+        assert_eq!(p.final_logit_softcapping, None);
+    }
+
+    #[test]
+    fn gemma_bad_hyper_parameters_are_refused() {
+        let base = |extra: &str| {
+            format!(
+                r#"{{"model_type":"gemma3_text","vocab_size":10,"hidden_size":8,"intermediate_size":16,
+                   "num_hidden_layers":2,"num_attention_heads":2,"head_dim":4{extra}}}"#
+            )
+        };
+        let dir = std::env::temp_dir().join(format!("specula-gemma-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("config.json");
+        let read = |body: String| {
+            std::fs::write(&path, body).unwrap();
+            ModelConfig::from_hf_json(&path)
+        };
+        let ok = read(base(
+            r#","sliding_window_pattern":2,"query_pre_attn_scalar":16"#,
+        ))
+        .unwrap();
+        let p = ok.gemma3().unwrap();
+        assert_eq!(
+            p.layer_types,
+            [LayerType::SlidingAttention, LayerType::FullAttention]
+        );
+        assert_eq!(p.attn_scale, 0.25);
+        for (extra, needle) in [
+            (
+                r#","attn_logit_softcapping":50.0"#,
+                "attn_logit_softcapping",
+            ),
+            (r#","layer_types":["full_attention"]"#, "layer_types has 1"),
+            (r#","hidden_activation":"relu""#, "relu"),
+            (r#","sliding_window":0"#, "sliding_window is 0"),
+        ] {
+            let err = read(base(extra)).unwrap_err().to_string();
+            assert!(err.contains(needle), "{extra}: {err}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn gemma4_fixture_configs_resolve_sharing_and_shapes() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4-tiny");
+        let full = ModelConfig::from_hf_json(&dir.join("full/config.json")).unwrap();
+        let p = full.gemma4().unwrap();
+        // transformers' kv_sharing_modes: [None, None, store, store, reuse, reuse].
+        let kv: Vec<KvSource> = p.layers.iter().map(|l| l.kv).collect();
+        use KvSource::*;
+        assert_eq!(kv, [Own, Own, Own, Own, SharedFrom(3), SharedFrom(2)]);
+        let global = &p.layers[2];
+        assert_eq!(
+            (global.head_dim, global.kv_heads, global.k_eq_v),
+            (32, 1, true)
+        );
+        assert_eq!(
+            (
+                p.layers[1].head_dim,
+                p.layers[1].kv_heads,
+                p.layers[1].k_eq_v
+            ),
+            (16, 2, false)
+        );
+        assert_eq!(p.layers[4].intermediate_size, 2 * full.intermediate_size);
+        assert_eq!(p.rope_global_partial_factor, 0.25);
+        assert_eq!(
+            (p.per_layer_input, p.final_logit_softcapping),
+            (8, Some(5.0))
+        );
+        let plain = ModelConfig::from_hf_json(&dir.join("plain/config.json")).unwrap();
+        let p = plain.gemma4().unwrap();
+        assert!(p.layers.iter().all(|l| l.kv == Own && !l.k_eq_v));
+        assert_eq!(p.per_layer_input, 0);
     }
 }

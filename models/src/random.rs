@@ -49,6 +49,7 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
         qk_norm: false,
         bos_token_id: None,
         eos_token_id: Vec::new(),
+        gemma: Default::default(),
     };
     match name {
         // Qwen/Qwen2.5-1.5B config.json
@@ -252,6 +253,7 @@ mod tests {
             qk_norm: false,
             bos_token_id: None,
             eos_token_id: Vec::new(),
+            gemma: Default::default(),
         }
     }
 

@@ -63,6 +63,7 @@ impl TinyModel {
             qk_norm: spec.qk_norm,
             bos_token_id: Some(1),
             eos_token_id: vec![2],
+            gemma: Default::default(),
         })
     }
 

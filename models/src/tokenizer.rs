@@ -13,6 +13,7 @@
 
 mod gguf;
 mod hf;
+mod sentencepiece;
 mod stream;
 
 use std::path::Path;

@@ -47,8 +47,34 @@ impl FromStr for WeightDType {
     }
 }
 
-/// HF tensor name → GGUF tensor name, following llama.cpp's `tensor_mapping.py`.
+/// Which of llama.cpp's tensor-name tables a GGUF file follows: they differ for the norm
+/// after attention (llama's `ffn_norm` is the norm *before* the MLP).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GgufNames {
+    /// llama, qwen2, qwen3, ...
+    Llama,
+    /// gemma2, gemma3, gemma4: sandwich norms (`post_attention_norm`, `ffn_norm`,
+    /// `post_ffw_norm`).
+    Gemma,
+}
+
+impl GgufNames {
+    /// The table of GGUF `general.architecture` `arch`.
+    pub fn of_arch(arch: &str) -> Self {
+        match arch.starts_with("gemma") {
+            true => Self::Gemma,
+            false => Self::Llama,
+        }
+    }
+}
+
+/// HF tensor name → GGUF tensor name of a llama-family file (see [`gguf_name_in`]).
 pub fn gguf_name(hf: &str) -> Option<String> {
+    gguf_name_in(GgufNames::Llama, hf)
+}
+
+/// HF tensor name → GGUF tensor name, following llama.cpp's `tensor_mapping.py`.
+pub fn gguf_name_in(names: GgufNames, hf: &str) -> Option<String> {
     let (stem, suffix) = hf.rsplit_once('.')?;
     let mapped = match stem {
         "model.embed_tokens" => "token_embd".to_string(),
@@ -65,7 +91,12 @@ pub fn gguf_name(hf: &str) -> Option<String> {
                 "self_attn.o_proj" => "attn_output",
                 "self_attn.q_norm" => "attn_q_norm",
                 "self_attn.k_norm" => "attn_k_norm",
-                "post_attention_layernorm" => "ffn_norm",
+                "post_attention_layernorm" => match names {
+                    GgufNames::Llama => "ffn_norm",
+                    GgufNames::Gemma => "post_attention_norm",
+                },
+                "pre_feedforward_layernorm" => "ffn_norm",
+                "post_feedforward_layernorm" => "post_ffw_norm",
                 "mlp.gate_proj" => "ffn_gate",
                 "mlp.up_proj" => "ffn_up",
                 "mlp.down_proj" => "ffn_down",
@@ -87,6 +118,7 @@ enum Source {
     Gguf {
         content: gguf_file::Content,
         file: File,
+        names: GgufNames,
     },
     Safetensors(MmapedSafetensors),
 }
@@ -108,8 +140,16 @@ impl Weights {
         dtype: WeightDType,
         device: &Device,
     ) -> Self {
+        let names = match content.metadata.get("general.architecture") {
+            Some(gguf_file::Value::String(arch)) => GgufNames::of_arch(arch),
+            _ => GgufNames::Llama,
+        };
         Self {
-            source: Source::Gguf { content, file },
+            source: Source::Gguf {
+                content,
+                file,
+                names,
+            },
             path: path.to_path_buf(),
             dtype,
             device: device.clone(),
@@ -153,8 +193,8 @@ impl Weights {
     /// Whether the checkpoint has the tensor of HF name `hf`.
     pub fn contains(&self, hf: &str) -> bool {
         match &self.source {
-            Source::Gguf { content, .. } => {
-                gguf_name(hf).is_some_and(|n| content.tensor_infos.contains_key(&n))
+            Source::Gguf { content, names, .. } => {
+                gguf_name_in(*names, hf).is_some_and(|n| content.tensor_infos.contains_key(&n))
             }
             Source::Safetensors(st) => st.get(hf).is_ok(),
         }
@@ -162,7 +202,7 @@ impl Weights {
 
     fn missing(&self, hf: &str) -> Error {
         let what = match &self.source {
-            Source::Gguf { .. } => match gguf_name(hf) {
+            Source::Gguf { names, .. } => match gguf_name_in(*names, hf) {
                 Some(n) => format!("tensor {n} ({hf})"),
                 None => format!("tensor {hf} (no GGUF name)"),
             },
@@ -195,8 +235,12 @@ impl Weights {
             })
         };
         match &mut self.source {
-            Source::Gguf { content, file } => {
-                let name = gguf_name(hf).expect("invariant: contains() mapped the name");
+            Source::Gguf {
+                content,
+                file,
+                names,
+            } => {
+                let name = gguf_name_in(*names, hf).expect("invariant: contains() mapped the name");
                 let q =
                     content
                         .tensor(file, &name, &self.device)
@@ -339,5 +383,23 @@ mod tests {
             Some("output.weight")
         );
         assert_eq!(gguf_name("model.layers.0.unknown.weight"), None);
+        // Gemma's sandwich norms: the norm after attention is not llama's pre-MLP norm.
+        let gemma = |hf| gguf_name_in(GgufNames::of_arch("gemma3"), hf);
+        assert_eq!(
+            gemma("model.layers.3.post_attention_layernorm.weight").as_deref(),
+            Some("blk.3.post_attention_norm.weight")
+        );
+        assert_eq!(
+            gemma("model.layers.3.pre_feedforward_layernorm.weight").as_deref(),
+            Some("blk.3.ffn_norm.weight")
+        );
+        assert_eq!(
+            gemma("model.layers.3.post_feedforward_layernorm.weight").as_deref(),
+            Some("blk.3.post_ffw_norm.weight")
+        );
+        assert_eq!(
+            gguf_name("model.layers.3.post_attention_layernorm.weight").as_deref(),
+            Some("blk.3.ffn_norm.weight")
+        );
     }
 }

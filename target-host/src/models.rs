@@ -19,7 +19,8 @@ pub const DEFAULT_MODEL: &str = "smollm2-135m";
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// A GGUF file, an HF model directory, or a name known to `scripts/fetch-model`
-    /// (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b). Default: smollm2-135m.
+    /// (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, gemma3-270m). Default:
+    /// smollm2-135m.
     #[arg(long)]
     pub model: Option<String>,
     /// Weight precision: native (as stored; GGUF stays quantized), f32, f16 or bf16.

@@ -8,7 +8,11 @@
 //! file without touching the driver.
 //!
 //! - [`llama`]: llama, mistral, qwen2 (q/k/v biases), qwen3 (q/k norms), as switches.
+//! - [`gemma3`]: Gemma 3 text (sliding/global layers, sandwich norms, `(1 + w)` norms).
+//! - [`gemma4`]: Gemma 4 text (KV sharing, per-layer embeddings, proportional RoPE).
 
+pub mod gemma3;
+pub mod gemma4;
 pub mod llama;
 
 use std::fmt::Debug;
@@ -79,7 +83,7 @@ pub enum Checkpoint {
 }
 
 /// Names accepted by [`load`], for error messages.
-pub const SUPPORTED: &str = "llama, mistral, qwen2, qwen3";
+pub const SUPPORTED: &str = "llama, mistral, qwen2, qwen3, gemma3, gemma3_text, gemma4_text";
 
 /// Whether [`load`] knows the architecture named by GGUF `general.architecture` or HF
 /// `model_type`, and its canonical name.
@@ -87,9 +91,13 @@ pub const SUPPORTED: &str = "llama, mistral, qwen2, qwen3";
 /// # Errors
 /// [`Error::UnsupportedArchitecture`] naming what is supported.
 pub fn canonical(name: &str) -> Result<&'static str> {
-    match llama::Switches::of(name) {
-        Some(s) => Ok(s.name),
-        None => Err(unsupported(name)),
+    match name {
+        "gemma3" | "gemma3_text" => Ok("gemma3"),
+        "gemma4" | "gemma4_text" => Ok("gemma4"),
+        _ => match llama::Switches::of(name) {
+            Some(s) => Ok(s.name),
+            None => Err(unsupported(name)),
+        },
     }
 }
 
@@ -109,6 +117,8 @@ pub fn load(
             let switches = llama::Switches::of(name).expect("invariant: a llama-family name");
             Ok(Arc::new(llama::Llama::load(cfg, switches, weights, from)?))
         }
+        "gemma3" | "gemma3_text" => Ok(Arc::new(gemma3::Gemma3::load(cfg, weights, from)?)),
+        "gemma4" | "gemma4_text" => Ok(Arc::new(gemma4::Gemma4::load(cfg, weights, from)?)),
         other => Err(unsupported(other)),
     }
 }

@@ -58,6 +58,8 @@ pub struct AttnBatch {
     pub positions: Vec<usize>,
     /// `(block, offset)` every row's K/V is written to.
     pub targets: Vec<(BlockId, usize)>,
+    /// Token id of every row (Gemma 4's per-layer embeddings look them up in every layer).
+    pub ids: Vec<u32>,
 }
 
 /// Which stored K/V a layer uses.

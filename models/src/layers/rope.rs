@@ -42,16 +42,43 @@ impl Rope {
     /// # Errors
     /// [`Error::InvalidRequest`] for a `head_dim` that is not a positive even number.
     pub fn new(head_dim: usize, max_pos: usize, theta: f64, style: RopeStyle) -> Result<Self> {
+        Self::proportional(head_dim, max_pos, theta, 1.0, style)
+    }
+
+    /// Gemma 4's proportional rope (transformers `_compute_proportional_rope_parameters`):
+    /// only the first `partial_rotary_factor · head_dim / 2` pairs rotate, with the
+    /// frequencies of the full width; the other pairs pass through (frequency 0).
+    ///
+    /// # Errors
+    /// As [`Rope::new`]; also for a factor outside `0..=1`.
+    pub fn proportional(
+        head_dim: usize,
+        max_pos: usize,
+        theta: f64,
+        partial_rotary_factor: f64,
+        style: RopeStyle,
+    ) -> Result<Self> {
         if !head_dim.is_multiple_of(2) || head_dim == 0 {
             return Err(Error::InvalidRequest {
                 op: "rope",
                 reason: format!("head_dim {head_dim} is not a positive even number"),
             });
         }
+        if !(0.0..=1.0).contains(&partial_rotary_factor) {
+            return Err(Error::InvalidRequest {
+                op: "rope",
+                reason: format!("partial_rotary_factor {partial_rotary_factor} is not in 0..=1"),
+            });
+        }
         let half = head_dim / 2;
+        // PyTorch: rope_angles = int(rope_proportion * head_dim // 2)
+        let rotated = (partial_rotary_factor * head_dim as f64 / 2.0).floor() as usize;
         // inv_freq[i] = theta^(-2i/d); angles in f64 so that large positions stay exact.
         let inv_freq: Vec<f64> = (0..half)
-            .map(|i| theta.powf(-((2 * i) as f64) / head_dim as f64))
+            .map(|i| match i < rotated {
+                true => theta.powf(-((2 * i) as f64) / head_dim as f64),
+                false => 0.0,
+            })
             .collect();
         let mut cos = Vec::with_capacity(max_pos * half);
         let mut sin = Vec::with_capacity(max_pos * half);

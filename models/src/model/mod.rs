@@ -274,11 +274,11 @@ impl Model {
         pool: &mut KvPool,
     ) -> Result<BatchOutput> {
         let total: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
-        let mut ids = Vec::with_capacity(total);
         let mut attn = AttnBatch {
             spans: Vec::with_capacity(batch.seqs.len()),
             positions: Vec::with_capacity(total),
             targets: Vec::with_capacity(total),
+            ids: Vec::with_capacity(total),
         };
         for (s, &pos) in batch.seqs.iter().zip(starts) {
             let blocks = pool.blocks(s.seq)?.to_vec();
@@ -288,12 +288,12 @@ impl Model {
             }
             attn.positions.extend(pos..pos + n);
             attn.spans.push(Span {
-                row: ids.len(),
+                row: attn.ids.len(),
                 rows: n,
                 pos,
                 blocks,
             });
-            ids.extend_from_slice(&s.tokens);
+            attn.ids.extend_from_slice(&s.tokens);
         }
         let select = |xs: &Tensor, rows: &[u32]| -> Result<Tensor> {
             match rows.len() == total {
@@ -313,7 +313,7 @@ impl Model {
             }
             Ok(())
         };
-        let mut xs = self.net.embed(&ids)?;
+        let mut xs = self.net.embed(&attn.ids)?;
         for l in 0..self.net.num_layers() {
             xs = self.net.layer(l, &xs, &attn, pool)?;
             record(TapId::Layer(l), &xs)?;

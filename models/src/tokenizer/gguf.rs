@@ -1,6 +1,9 @@
-//! Rebuilding a byte-level BPE tokenizer from GGUF metadata (`tokenizer.ggml.*`).
+//! Rebuilding a tokenizer from GGUF metadata (`tokenizer.ggml.*`).
 //!
-//! The pre-tokenizer is only stored by name (`tokenizer.ggml.pre`). Each supported name maps to
+//! `tokenizer.ggml.model` picks the family: `gpt2` is byte-level BPE (below), `llama` is
+//! SentencePiece BPE (`sentencepiece.rs`: Gemma, Llama 2).
+//!
+//! For byte-level BPE the pre-tokenizer is only stored by name (`tokenizer.ggml.pre`). Each supported name maps to
 //! the pipeline that the family's Hugging Face `tokenizer.json` declares; the regexes are the
 //! ones llama.cpp uses for that name (`src/llama-vocab.cpp`, `llm_tokenizer_bpe`), in their
 //! original `tokenizer.json` form since `tokenizers`' Oniguruma regexes accept `(?i:...)`.
@@ -19,9 +22,7 @@ use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 use super::SpecialIds;
 use crate::{Error, Result};
 
-/// GGUF token types (llama.cpp's `llama_token_type`).
-const TYPE_CONTROL: i32 = 3;
-const TYPE_USER_DEFINED: i32 = 4;
+use super::sentencepiece::{self, TYPE_CONTROL, TYPE_USER_DEFINED};
 
 /// GPT-2's split, which `ByteLevel(use_regex = true)` applies itself.
 const GPT2_REGEX: &str =
@@ -83,14 +84,38 @@ fn pre_spec(name: &str) -> Result<PreSpec> {
 pub(super) fn build(content: &Content) -> Result<(tokenizers::Tokenizer, usize, SpecialIds)> {
     let meta = Meta(&content.metadata);
     let model = meta.string("tokenizer.ggml.model")?;
-    if model != "gpt2" {
-        // "llama" is SentencePiece-style BPE over "▁"-prefixed text with byte fallback: a
-        // different pipeline that no Specula model needs yet.
-        return Err(Error::Tokenizer(format!(
-            "unsupported tokenizer model tokenizer.ggml.model = '{model}' (supported: gpt2, \
-             the byte-level BPE of GPT-2, SmolLM, Qwen and Llama 3)"
-        )));
+    match model {
+        "gpt2" => build_bpe(&meta),
+        "llama" => build_sentencepiece(&meta),
+        other => Err(Error::Tokenizer(format!(
+            "unsupported tokenizer model tokenizer.ggml.model = '{other}' (supported: gpt2, \
+             the byte-level BPE of GPT-2, SmolLM, Qwen and Llama 3; llama, the SentencePiece \
+             BPE of Gemma and Llama 2)"
+        ))),
     }
+}
+
+/// `tokenizer.ggml.model = llama`: SentencePiece BPE from pieces, scores and types.
+fn build_sentencepiece(meta: &Meta<'_>) -> Result<(tokenizers::Tokenizer, usize, SpecialIds)> {
+    let tokens = meta.strings("tokenizer.ggml.tokens")?;
+    let scores = meta.floats("tokenizer.ggml.scores")?;
+    let types = meta.ints("tokenizer.ggml.token_type")?;
+    // SentencePiece has no pre-tokenizer: llama.cpp reads tokenizer.ggml.pre only for gpt2
+    // vocabularies (converters write "default" here), and so does this builder.
+    let tok = sentencepiece::build(&sentencepiece::Pieces {
+        tokens: &tokens,
+        scores: &scores,
+        types: &types,
+        unk: meta.opt_id("tokenizer.ggml.unknown_token_id")?,
+        add_space_prefix: meta
+            .opt_bool("tokenizer.ggml.add_space_prefix")?
+            .unwrap_or(true),
+    })?;
+    Ok((tok, tokens.len(), special_ids(meta, &types)?))
+}
+
+/// `tokenizer.ggml.model = gpt2`: byte-level BPE with a named pre-tokenizer.
+fn build_bpe(meta: &Meta<'_>) -> Result<(tokenizers::Tokenizer, usize, SpecialIds)> {
     let tokens = meta.strings("tokenizer.ggml.tokens")?;
     let merges = meta
         .strings("tokenizer.ggml.merges")?
@@ -154,6 +179,11 @@ pub(super) fn build(content: &Content) -> Result<(tokenizers::Tokenizer, usize, 
     tok.add_tokens(added)
         .map_err(|e| Error::Tokenizer(format!("cannot add control tokens: {e}")))?;
 
+    Ok((tok, tokens.len(), special_ids(meta, &types)?))
+}
+
+/// BOS, EOS/EOT and the control tokens, from the `tokenizer.ggml.*` ids and token types.
+fn special_ids(meta: &Meta<'_>, types: &[i32]) -> Result<SpecialIds> {
     let control = types
         .iter()
         .enumerate()
@@ -164,15 +194,14 @@ pub(super) fn build(content: &Content) -> Result<(tokenizers::Tokenizer, usize, 
     for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
         declared_eos.extend(meta.opt_id(key)?);
     }
-    let ids = SpecialIds {
+    Ok(SpecialIds {
         bos: meta.opt_id("tokenizer.ggml.bos_token_id")?,
         add_bos: meta
             .opt_bool("tokenizer.ggml.add_bos_token")?
             .unwrap_or(false),
         declared_eos,
         control,
-    };
-    Ok((tok, tokens.len(), ids))
+    })
 }
 
 fn pre_tokenizer(pre: &PreSpec) -> Result<PreTokenizerWrapper> {
@@ -239,6 +268,20 @@ impl<'a> Meta<'a> {
                 })
                 .collect(),
             other => Err(wrong_type(key, "an array of integers", other)),
+        }
+    }
+
+    fn floats(&self, key: &str) -> Result<Vec<f32>> {
+        match self.require(key)? {
+            Value::Array(items) => items
+                .iter()
+                .map(|v| match *v {
+                    Value::F32(x) => Ok(x),
+                    Value::F64(x) => Ok(x as f32),
+                    _ => Err(wrong_type(key, "an array of floats", v)),
+                })
+                .collect(),
+            other => Err(wrong_type(key, "an array of floats", other)),
         }
     }
 
