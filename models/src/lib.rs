@@ -8,6 +8,7 @@
 pub mod arch;
 pub mod chat;
 pub mod config;
+pub mod drafter_support;
 pub mod error;
 pub mod kv_cache;
 pub mod layers;
