@@ -10,6 +10,7 @@ pub mod arch;
 pub mod batch;
 pub mod chat;
 pub mod config;
+pub mod drafter_support;
 pub mod error;
 pub mod kv_cache;
 pub mod kv_pool;

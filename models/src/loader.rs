@@ -155,7 +155,7 @@ pub fn read_gguf(path: &Path) -> Result<(gguf_file::Content, File)> {
 
 /// The safetensors files of an HF directory: the shards listed in
 /// `model.safetensors.index.json`, or `model.safetensors`.
-fn safetensors_shards(dir: &Path) -> Result<Vec<PathBuf>> {
+pub(crate) fn safetensors_shards(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(io(&index))?;

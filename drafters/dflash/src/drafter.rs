@@ -1,0 +1,676 @@
+//! [`DFlash`]: a loaded DFlash or DSpark drafter with its sessions, behind the SDK's
+//! [`Drafter`] trait.
+//!
+//! Per session it keeps the context K/V of every accepted position it got taps for (the prompt
+//! at `Open`, then `accepted + 1` rows per `Commit` and one row per id of an `Advance`: rejected
+//! tips never enter), the pending id (the anchor of the next block) and its position. A
+//! `Draft` runs one backbone forward for the blocks of all its rows.
+
+use std::collections::HashMap;
+
+use candle_core::{Device, Tensor};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use specula_models::drafter_support::{value_digest, TargetParts};
+use specula_models::layers::{Embedding, Linear};
+use specula_protocol::sdk::{
+    AdvanceArgs, Advanced, CommitArgs, DraftAsk, Drafter, DrafterInfo, OpenArgs, Proposal, Taps,
+};
+use specula_protocol::wire::{Capabilities, PrefillMode, SamplingSpec, SessionId, TargetInfo};
+use tracing::{debug, info, warn};
+
+use crate::config::{DraftConfig, Kind};
+use crate::heads::Heads;
+use crate::model::{argmax_rows, Backbone, BlockAsk, Context};
+use crate::sampling::{probs, sample};
+use crate::tensors::Tensors;
+use crate::weights::WeightsSource;
+use crate::Error;
+
+fn err(e: impl std::fmt::Display) -> Error {
+    Error::Forward(e.to_string())
+}
+
+/// Where one reference tap id comes from in Specula's taps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// `Capabilities::tap_layers[i]`.
+    Layer(usize),
+    /// The post-final-norm hidden (HF `hidden_states[num_layers]`, a reference id of
+    /// `num_layers − 1`).
+    Final,
+    /// The embedding output (DeepSpec id `−1`), looked up from the row's token.
+    Embedding,
+}
+
+/// How the drafter runs (command-line options).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Options {
+    /// Shorter block than the checkpoint's (`--block-size`).
+    pub block_size: Option<usize>,
+    /// DSpark: cut the block at the first slot whose confidence is below this (0: never).
+    pub confidence_threshold: f32,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            block_size: None,
+            confidence_threshold: 0.0,
+        }
+    }
+}
+
+/// The target's parts the drafter uses, or its own copies (DSpark checkpoints carry frozen
+/// copies; they are used only when they differ from the target's).
+struct Io {
+    embedding: Embedding,
+    lm_head: Linear,
+}
+
+/// A loaded drafter: weights plus everything fixed for one target.
+struct Loaded {
+    config: DraftConfig,
+    backbone: Backbone,
+    heads: Option<Heads>,
+    io: Io,
+    /// `[1, hidden]`: the MASK slot's embedding (the target's row or `mask_embedding`).
+    mask_row: Tensor,
+    block: usize,
+    sources: Vec<Source>,
+    caps: Capabilities,
+    max_pos: usize,
+    threshold: f32,
+}
+
+/// One session's state.
+struct Session {
+    context: Context,
+    /// The pending id: the next block's anchor.
+    anchor: u32,
+    /// Its absolute position.
+    pos: usize,
+    sampling: SamplingSpec,
+    rng: StdRng,
+    /// Positions whose taps never came (torn, missing): the context has holes there.
+    missing: usize,
+}
+
+/// One block's drafts, before the SDK caps them.
+#[derive(Debug, Clone)]
+pub struct Block {
+    /// The drafted ids.
+    pub tokens: Vec<u32>,
+    /// Their logits `[tokens, vocab]` (DSpark: after the Markov correction).
+    pub logits: Tensor,
+    /// DSpark: `σ(c_k)` per drafted id.
+    pub confidence: Option<Vec<f32>>,
+    /// `q` rows when sampled.
+    pub q: Option<Vec<Vec<f32>>>,
+}
+
+/// The DFlash / DSpark drafter.
+pub struct DFlash {
+    source: WeightsSource,
+    options: Options,
+    device: Device,
+    loaded: Option<Loaded>,
+    /// Capabilities known before the target (a `--weights` config), for the Hello.
+    early_caps: Option<Capabilities>,
+    sessions: HashMap<SessionId, Session>,
+}
+
+impl DFlash {
+    /// A drafter that will load its weights from `source` once it knows the target.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when an explicit weights path has a bad config (found before the
+    /// host is even contacted).
+    pub fn new(source: WeightsSource, options: Options) -> Result<Self, Error> {
+        let early_caps = match &source {
+            WeightsSource::Path(dir) => {
+                let config = DraftConfig::from_file(&dir.join("config.json"))?;
+                let block = block_size(&config, &options)?;
+                Some(plan(&config, config.num_target_layers, block).1)
+            }
+            WeightsSource::Shipped { .. } => None,
+        };
+        Ok(DFlash {
+            source,
+            options,
+            device: Device::Cpu,
+            loaded: None,
+            early_caps,
+            sessions: HashMap::new(),
+        })
+    }
+
+    /// Loads the weights for `target` (done by [`Drafter::accept_target`]).
+    ///
+    /// # Errors
+    /// Every reason this drafter cannot serve the target, as text for the host.
+    pub fn load(&mut self, target: &TargetInfo) -> Result<(), Error> {
+        let dir = self.source.resolve(target)?;
+        let config = DraftConfig::from_file(&dir.join("config.json"))?;
+        check_target(&config, target)?;
+        let tensors = Tensors::read(&dir.join("model.safetensors"), &self.device)?;
+        let parts = TargetParts::open(target.weights_path.as_ref(), &self.device)
+            .map_err(|e| Error::Target(format!("cannot read the target's weights: {e}")))?;
+        let block = block_size(&config, &self.options)?;
+        let (sources, caps) = plan(&config, target.num_layers as usize, block);
+        let max_pos = target.context_len as usize + block + 1;
+        let backbone = Backbone::load(&config, &tensors, max_pos, &self.device)?;
+        let heads = match &config.dspark {
+            Some(h) => Some(Heads::load(
+                h,
+                &tensors,
+                config.hidden_size,
+                config.vocab_size,
+            )?),
+            None => None,
+        };
+        let io = io_parts(&config, &tensors, parts)?;
+        let mask_row = match config.mask_token_id {
+            Some(id) => io
+                .embedding
+                .forward(&[id])
+                .map_err(|e| Error::Target(format!("mask_token_id {id}: {e}")))?,
+            None => tensors
+                .get("mask_embedding", &[config.hidden_size])?
+                .reshape((1, config.hidden_size))
+                .map_err(err)?,
+        };
+        info!(
+            kind = ?config.kind,
+            weights = %dir.display(),
+            block,
+            taps = ?config.target_layer_ids,
+            "drafter loaded"
+        );
+        self.loaded = Some(Loaded {
+            config,
+            backbone,
+            heads,
+            io,
+            mask_row,
+            block,
+            sources,
+            caps,
+            max_pos,
+            threshold: self.options.confidence_threshold,
+        });
+        Ok(())
+    }
+
+    /// Drafts for every ask in one backbone forward. Sessions that are not open, or whose block
+    /// would run past the context, get an empty block.
+    ///
+    /// # Errors
+    /// [`Error::Forward`] when the forward fails (a bug or bad weights, not a bad request).
+    pub fn blocks(&mut self, asks: &[DraftAsk<'_>]) -> Result<Vec<Option<Block>>, Error> {
+        let Some(m) = &self.loaded else {
+            return Ok(asks.iter().map(|_| None).collect());
+        };
+        for ask in asks {
+            if let Some(s) = self.sessions.get_mut(&ask.session) {
+                s.extend_untapped(ask.new_tokens);
+            }
+        }
+        let scale = m.config.input_embedding_scale;
+        let mut inputs = Vec::new();
+        let mut which = Vec::new();
+        for (i, ask) in asks.iter().enumerate() {
+            let Some(s) = self.sessions.get(&ask.session) else {
+                continue;
+            };
+            if ask.n == 0 || s.pos + m.block > m.max_pos {
+                continue;
+            }
+            let anchor = m.io.embedding.forward(&[s.anchor]).map_err(err)?;
+            let masks = m.mask_row.repeat((m.block - 1, 1)).map_err(err)?;
+            let embeddings =
+                (Tensor::cat(&[&anchor, &masks], 0).map_err(err)? * scale).map_err(err)?;
+            inputs.push(BlockAsk {
+                context: &s.context,
+                embeddings,
+                pos: s.pos,
+            });
+            which.push(i);
+        }
+        let hidden = m.backbone.forward(&inputs)?;
+        drop(inputs);
+        let mut out: Vec<Option<Block>> = asks.iter().map(|_| None).collect();
+        for (h, i) in hidden.into_iter().zip(which) {
+            let ask = &asks[i];
+            let s = self
+                .sessions
+                .get_mut(&ask.session)
+                .expect("invariant: asked sessions are open");
+            out[i] = Some(m.block(&h, s, ask.n)?);
+        }
+        Ok(out)
+    }
+
+    /// Appends the rows of a tap window to a session's context: `row_ids` are the tokens at
+    /// those positions (needed for a DSpark `−1` tap). Missing or bad taps leave a hole.
+    fn take_taps(
+        &mut self,
+        session: SessionId,
+        taps: Option<&Taps<'_>>,
+        row_ids: &[u32],
+        pos: usize,
+    ) {
+        let (Some(m), Some(s)) = (&self.loaded, self.sessions.get_mut(&session)) else {
+            return;
+        };
+        let rows = row_ids.len();
+        if rows == 0 {
+            return;
+        }
+        let features = match taps {
+            None => Err("no taps".to_string()),
+            Some(t) if t.pos as usize != pos => {
+                Err(format!("taps start at position {}, expected {pos}", t.pos))
+            }
+            Some(t) => m.features(t, row_ids),
+        };
+        let result = features.and_then(|f| {
+            m.backbone
+                .extend(&mut s.context, &f, pos)
+                .map_err(|e| e.to_string())
+        });
+        if let Err(reason) = result {
+            debug!(session, rows, pos, reason, "context rows missing");
+            s.missing += rows;
+        }
+    }
+
+    /// The capabilities to serve `target` with (after [`DFlash::load`]).
+    pub fn capabilities_for_target(&self) -> Option<&Capabilities> {
+        self.loaded.as_ref().map(|m| &m.caps)
+    }
+
+    /// Context rows cached for `session` and positions missing from it.
+    pub fn context_rows(&self, session: SessionId) -> Option<(usize, usize)> {
+        self.sessions
+            .get(&session)
+            .map(|s| (s.context.rows(), s.missing))
+    }
+}
+
+/// The block size to run: the checkpoint's, or shorter (`--block-size`).
+fn block_size(config: &DraftConfig, options: &Options) -> Result<usize, Error> {
+    let min = match config.kind {
+        Kind::DFlash => 2,
+        Kind::DSpark => 1,
+    };
+    match options.block_size {
+        None => Ok(config.block_size),
+        Some(b) if (min..=config.block_size).contains(&b) => Ok(b),
+        Some(b) => Err(Error::Options(format!(
+            "--block-size {b} must be in {min}..={} (the checkpoint's block size)",
+            config.block_size
+        ))),
+    }
+}
+
+/// Where each reference tap id comes from, and the capabilities that ask for them.
+fn plan(config: &DraftConfig, target_layers: usize, block: usize) -> (Vec<Source>, Capabilities) {
+    let last = target_layers as i64 - 1;
+    let mut tap_layers: Vec<u32> = config
+        .target_layer_ids
+        .iter()
+        .filter(|&&id| id >= 0 && id < last)
+        .map(|&id| id as u32)
+        .collect();
+    tap_layers.dedup();
+    let sources = config
+        .target_layer_ids
+        .iter()
+        .map(|&id| match id {
+            -1 => Source::Embedding,
+            id if id == last => Source::Final,
+            id => Source::Layer(
+                tap_layers
+                    .iter()
+                    .position(|&l| i64::from(l) == id)
+                    .expect("invariant: every inner id is in tap_layers"),
+            ),
+        })
+        .collect::<Vec<_>>();
+    let caps = Capabilities {
+        max_draft_len: config.drafts_per_block(block) as u32,
+        prefill: PrefillMode::LeaveLastPending,
+        tap_layers,
+        final_hidden: sources.contains(&Source::Final),
+        kv_layers: Vec::new(),
+    };
+    (sources, caps)
+}
+
+/// Whether the drafter was made for this target.
+fn check_target(config: &DraftConfig, target: &TargetInfo) -> Result<(), Error> {
+    let bad = |reason: String| Err(Error::Target(reason));
+    if config.hidden_size != target.hidden_size as usize {
+        return bad(format!(
+            "the drafter's hidden size is {}, the target's {}",
+            config.hidden_size, target.hidden_size
+        ));
+    }
+    if config.vocab_size != target.vocab_size as usize {
+        return bad(format!(
+            "the drafter's vocabulary is {}, the target's {}",
+            config.vocab_size, target.vocab_size
+        ));
+    }
+    if config.num_target_layers != target.num_layers as usize {
+        return bad(format!(
+            "the drafter was trained on a target of {} layers, this one has {}",
+            config.num_target_layers, target.num_layers
+        ));
+    }
+    if let Some(id) = config.mask_token_id.filter(|&id| id >= target.vocab_size) {
+        return bad(format!("mask_token_id {id} is outside the vocabulary"));
+    }
+    if config.target_layer_ids.contains(&-1)
+        && !matches!(target.architecture.as_str(), "llama" | "qwen2" | "qwen3")
+    {
+        return bad(format!(
+            "tap id -1 (the embedding output) is only known for llama, qwen2 and qwen3 targets,              not {}",
+            target.architecture
+        ));
+    }
+    Ok(())
+}
+
+/// The target's embedding and lm_head, or the checkpoint's own copies when they differ.
+fn io_parts(config: &DraftConfig, tensors: &Tensors, parts: TargetParts) -> Result<Io, Error> {
+    let dims = [config.vocab_size, config.hidden_size];
+    let same = |name: &str, target: Result<Option<String>, _>| -> Result<Option<Tensor>, Error> {
+        if !tensors.contains(name) {
+            return Ok(None);
+        }
+        let own = tensors.get(name, &dims)?;
+        let target: Option<String> =
+            target.map_err(|e: specula_models::Error| Error::Target(e.to_string()))?;
+        let mine = value_digest(&own).map_err(err)?;
+        match target.as_deref() == Some(mine.as_str()) {
+            true => Ok(None),
+            false => {
+                warn!(
+                    tensor = name,
+                    "the checkpoint's copy differs from the target's: keeping it"
+                );
+                Ok(Some(own))
+            }
+        }
+    };
+    let own_embed = same("embed_tokens.weight", parts.embedding_digest())?;
+    let own_head = same("lm_head.weight", parts.lm_head_digest())?;
+    Ok(Io {
+        embedding: match own_embed {
+            Some(t) => Embedding::Dense(t),
+            None => parts.embedding,
+        },
+        lm_head: match own_head {
+            Some(t) => Linear::dense(t, None).map_err(err)?,
+            None => parts.lm_head,
+        },
+    })
+}
+
+impl Drafter for DFlash {
+    fn info(&self) -> DrafterInfo {
+        let version = env!("CARGO_PKG_VERSION");
+        match &self.early_caps {
+            Some(caps) => DrafterInfo::new("dflash", version, caps.clone()),
+            // Placeholder until the weights for the target are found.
+            None => DrafterInfo::new("dflash", version, Capabilities::tokens_only(1))
+                .with_late_capabilities(),
+        }
+    }
+
+    fn accept_target(&mut self, target: &TargetInfo) -> Result<(), String> {
+        self.load(target).map_err(|e| e.to_string())?;
+        let caps = self.capabilities_for_target().cloned();
+        match (&self.early_caps, caps) {
+            (Some(early), Some(now)) if *early != now => Err(format!(
+                "the weights ask for {now:?} on this target, not the {early:?} announced"
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn capabilities(&mut self, _target: &TargetInfo) -> Capabilities {
+        self.capabilities_for_target()
+            .cloned()
+            .unwrap_or_else(|| Capabilities::tokens_only(1))
+    }
+
+    fn open(&mut self, session: SessionId, args: OpenArgs<'_>) {
+        let Some(&anchor) = args.prompt.last() else {
+            return;
+        };
+        let seed = args.sampling.seed.unwrap_or(session);
+        let s = Session {
+            context: Context::default(),
+            anchor,
+            pos: args.prompt.len() - 1,
+            sampling: args.sampling.clone(),
+            rng: StdRng::seed_from_u64(seed),
+            missing: 0,
+        };
+        self.sessions.insert(session, s);
+        let rows = &args.prompt[..args.prompt.len() - 1];
+        self.take_taps(session, args.taps.as_ref(), rows, 0);
+    }
+
+    fn draft(&mut self, session: SessionId, new_tokens: &[u32], n: usize) -> Proposal {
+        let ask = DraftAsk {
+            session,
+            new_tokens,
+            n,
+        };
+        self.draft_batch(&[ask]).pop().unwrap_or_default()
+    }
+
+    fn draft_batch(&mut self, asks: &[DraftAsk<'_>]) -> Vec<Proposal> {
+        match self.blocks(asks) {
+            Ok(blocks) => blocks
+                .into_iter()
+                .map(|b| match b {
+                    None => Proposal::none(),
+                    Some(b) => Proposal {
+                        tokens: b.tokens,
+                        q: b.q,
+                        confidence: b.confidence,
+                    },
+                })
+                .collect(),
+            Err(e) => {
+                warn!(error = %e, "drafting failed; proposing nothing");
+                asks.iter().map(|_| Proposal::none()).collect()
+            }
+        }
+    }
+
+    fn commit(&mut self, session: SessionId, args: CommitArgs<'_>) {
+        self.accept(session, args.ids, args.taps.as_ref());
+    }
+
+    fn advance(&mut self, session: SessionId, args: AdvanceArgs<'_>) -> Advanced {
+        self.accept(session, args.ids, args.taps.as_ref());
+        Advanced::Taken
+    }
+
+    fn close(&mut self, session: SessionId) {
+        self.sessions.remove(&session);
+    }
+}
+
+impl DFlash {
+    /// Ids committed after the pending one, with the taps of the rows that produced them:
+    /// `[pending, ids[..len − 1]]` at the pending position.
+    fn accept(&mut self, session: SessionId, ids: &[u32], taps: Option<&Taps<'_>>) {
+        let Some(s) = self.sessions.get(&session) else {
+            return;
+        };
+        let Some(&last) = ids.last() else {
+            return;
+        };
+        let pos = s.pos;
+        let mut row_ids = Vec::with_capacity(ids.len());
+        row_ids.push(s.anchor);
+        row_ids.extend_from_slice(&ids[..ids.len() - 1]);
+        self.take_taps(session, taps, &row_ids, pos);
+        let s = self
+            .sessions
+            .get_mut(&session)
+            .expect("invariant: checked above");
+        s.pos += ids.len();
+        s.anchor = last;
+    }
+}
+
+impl Loaded {
+    /// The drafts of one block from its normed hidden rows `h` `[B, hidden]`.
+    fn block(&self, h: &Tensor, s: &mut Session, n: usize) -> Result<Block, Error> {
+        let c = &self.config;
+        let n = n.min(c.drafts_per_block(self.block));
+        let temperature = s.sampling.temperature;
+        match c.kind {
+            Kind::DFlash => {
+                // Mask slot i (row i) predicts the token at anchor + i.
+                let rows = h.narrow(0, 1, n).map_err(err)?;
+                let logits = self.draft_logits(&rows)?;
+                let (tokens, q) = match temperature > 0.0 {
+                    false => (argmax_rows(&logits)?, None),
+                    true => {
+                        let rows: Vec<Vec<f32>> = logits.to_vec2().map_err(err)?;
+                        let q: Vec<Vec<f32>> = rows
+                            .iter()
+                            .map(|r| probs(r, temperature, s.sampling.top_p, s.sampling.top_k))
+                            .collect();
+                        let tokens = q.iter().map(|p| sample(p, &mut s.rng)).collect();
+                        (tokens, Some(q))
+                    }
+                };
+                Ok(Block {
+                    tokens,
+                    logits,
+                    confidence: None,
+                    q,
+                })
+            }
+            Kind::DSpark => {
+                // Slot k (row k, the anchor's included) predicts the token at anchor + k + 1.
+                let rows = h.narrow(0, 0, n).map_err(err)?;
+                let base = self.draft_logits(&rows)?;
+                let heads = self
+                    .heads
+                    .as_ref()
+                    .expect("invariant: DSpark loads its heads");
+                let mut q_rows = Vec::new();
+                let rng = &mut s.rng;
+                let mut pick = |z: &Tensor| -> Result<u32, Error> {
+                    match temperature > 0.0 {
+                        false => Ok(argmax_rows(z)?[0]),
+                        true => {
+                            let row: Vec<f32> =
+                                z.flatten_all().and_then(|z| z.to_vec1()).map_err(err)?;
+                            // DeepSpec logits_to_probs: softmax(z / T), no top-p/top-k.
+                            let p = probs(&row, temperature, 1.0, None);
+                            let id = sample(&p, rng);
+                            q_rows.push(p);
+                            Ok(id)
+                        }
+                    }
+                };
+                let out = heads.run(&rows, &base, s.anchor, &mut pick)?;
+                let q = (temperature > 0.0).then_some(q_rows);
+                let mut block = Block {
+                    tokens: out.tokens,
+                    logits: out.logits,
+                    confidence: out.confidence,
+                    q,
+                };
+                if let (Some(conf), true) = (&block.confidence, self.threshold > 0.0) {
+                    // `_confident_prefix_length`: cut at the first slot below the threshold.
+                    let ell = conf
+                        .iter()
+                        .position(|&c| c < self.threshold)
+                        .unwrap_or(conf.len());
+                    block.tokens.truncate(ell);
+                    if let Some(q) = &mut block.q {
+                        q.truncate(ell);
+                    }
+                    if let Some(c) = &mut block.confidence {
+                        c.truncate(ell);
+                    }
+                }
+                Ok(block)
+            }
+        }
+    }
+
+    /// `lm_head(rows)`, times `output_multiplier`, softcapped (`DFlashDraftModel.compute_logits`).
+    fn draft_logits(&self, rows: &Tensor) -> Result<Tensor, Error> {
+        let mut logits = self.io.lm_head.forward(rows).map_err(err)?;
+        let c = &self.config;
+        if c.output_multiplier != 1.0 {
+            logits = (logits * c.output_multiplier).map_err(err)?;
+        }
+        if let Some(cap) = c.logit_softcap {
+            logits = ((logits / cap).and_then(|l| l.tanh()).map_err(err)? * cap).map_err(err)?;
+        }
+        Ok(logits)
+    }
+
+    /// The concatenated tap features `[rows, n_taps × hidden]` of a window, or why not.
+    fn features(&self, taps: &Taps<'_>, row_ids: &[u32]) -> Result<Tensor, String> {
+        let rows = taps.rows as usize;
+        let hidden = self.config.hidden_size;
+        if row_ids.len() != rows {
+            return Err(format!("{rows} tap rows for {} positions", row_ids.len()));
+        }
+        let mut columns = Vec::with_capacity(self.sources.len());
+        for source in &self.sources {
+            let t = match source {
+                Source::Embedding => self
+                    .io
+                    .embedding
+                    .forward(row_ids)
+                    .map_err(|e| e.to_string())?,
+                Source::Layer(_) | Source::Final => {
+                    let view = match source {
+                        Source::Layer(i) => taps.layers.get(*i),
+                        _ => taps.final_hidden.as_ref(),
+                    }
+                    .ok_or_else(|| format!("tap {source:?} is missing"))?;
+                    if view.numel() != rows * hidden {
+                        return Err(format!(
+                            "tap {source:?} has {} values, expected {rows} × {hidden}",
+                            view.numel()
+                        ));
+                    }
+                    let data = view.to_f32().map_err(|e| e.to_string())?;
+                    Tensor::from_vec(data, (rows, hidden), &Device::Cpu)
+                        .map_err(|e| e.to_string())?
+                }
+            };
+            columns.push(t);
+        }
+        Tensor::cat(&columns, 1).map_err(|e| e.to_string())
+    }
+}
+
+impl Session {
+    /// Ids committed without taps (a 1.0 host's `new_tokens`): the context gets holes.
+    fn extend_untapped(&mut self, ids: &[u32]) {
+        if let Some(&last) = ids.last() {
+            self.missing += ids.len();
+            self.pos += ids.len();
+            self.anchor = last;
+        }
+    }
+}

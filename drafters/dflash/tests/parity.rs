@@ -1,0 +1,208 @@
+//! Parity with the references on random weights: a tiny random Qwen3 target and random DFlash
+//! and DSpark drafters (each Markov head, with and without the confidence head), several rounds
+//! with partial acceptance. The fixtures were made by `tests/fixtures/dflash/make.py` with
+//! `dflash==0.1.0` and DeepSpec's own modeling code; see that script.
+//!
+//! Each round feeds the drafter exactly what the host would (the prompt's taps at `Open`, the
+//! verified rows' taps at `Commit`, one row at `Advance` when DSpark drafted nothing) and checks
+//! its draft logits (within 1e-4), ids, confidences and confidence-scheduled length.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use dflash::{DFlash, Options, WeightsSource};
+use serde_json::Value;
+use specula_protocol::sdk::{AdvanceArgs, CommitArgs, DraftAsk, Drafter, OpenArgs, Taps};
+use specula_protocol::wire::{SamplingSpec, TargetInfo};
+
+const TOL: f32 = 1e-4;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/dflash")
+}
+
+fn target() -> TargetInfo {
+    TargetInfo {
+        architecture: "qwen3".into(),
+        vocab_size: 128,
+        hidden_size: 32,
+        num_layers: 6,
+        num_kv_heads: 2,
+        head_dim: 8,
+        weights_path: fixtures().join("target").display().to_string(),
+        context_len: 128,
+        ..TargetInfo::default()
+    }
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims());
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+struct Case {
+    meta: Value,
+    tensors: HashMap<String, Tensor>,
+}
+
+impl Case {
+    fn load(name: &str) -> Case {
+        let dir = fixtures().join(name);
+        let meta = std::fs::read_to_string(dir.join("rounds.json")).unwrap();
+        let tensors =
+            candle_core::safetensors::load(dir.join("rounds.safetensors"), &Device::Cpu).unwrap();
+        Case {
+            meta: serde_json::from_str(&meta).unwrap(),
+            tensors,
+        }
+    }
+
+    fn taps(&self, prefix: &str) -> Vec<Vec<f32>> {
+        let layers = self.meta["tap_layers"].as_array().unwrap();
+        layers
+            .iter()
+            .map(|l| {
+                let t = &self.tensors[&format!("{prefix}.tap{}", l.as_u64().unwrap())];
+                t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            })
+            .collect()
+    }
+
+    fn rows(&self, prefix: &str) -> u32 {
+        let l = self.meta["tap_layers"][0].as_u64().unwrap();
+        self.tensors[&format!("{prefix}.tap{l}")].dims()[0] as u32
+    }
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn run(name: &str) {
+    let case = Case::load(name);
+    let threshold = case.meta["threshold"].as_f64().unwrap_or(0.0) as f32;
+    let options = Options {
+        block_size: None,
+        confidence_threshold: threshold,
+    };
+    let mut d = DFlash::new(WeightsSource::Path(fixtures().join(name)), options).unwrap();
+    let target = target();
+    d.accept_target(&target).unwrap();
+    let caps = d.capabilities(&target);
+    assert_eq!(caps.tap_layers, vec![1, 3], "{name}");
+    let rounds = case.meta["rounds"].as_array().unwrap();
+    let mut prompt = ids(&case.meta["prompt"]);
+    prompt.push(rounds[0]["anchor"].as_u64().unwrap() as u32);
+    let open_taps = case.taps("open");
+    let rows = case.rows("open");
+    let sampling = SamplingSpec::greedy();
+    let taps = Taps::from_f32(0, rows, &open_taps, None, &[]);
+    d.open(
+        1,
+        OpenArgs {
+            prompt: &prompt,
+            sampling: &sampling,
+            taps: Some(taps),
+        },
+    );
+    let mut cached = rows as usize;
+    for (r, round) in rounds.iter().enumerate() {
+        assert_eq!(d.context_rows(1), Some((cached, 0)), "{name} round {r}");
+        let ask = DraftAsk {
+            session: 1,
+            new_tokens: &[],
+            n: 16,
+        };
+        let block = d.blocks(&[ask]).unwrap().pop().unwrap().expect("a block");
+        let want = &case.tensors[&format!("round{r}.logits")];
+        let diff = max_diff(&block.logits, want);
+        assert!(diff <= TOL, "{name} round {r}: logits differ by {diff}");
+        let drafts = ids(&round["drafts"]);
+        let length = round["length"]
+            .as_u64()
+            .map_or(drafts.len(), |l| l as usize);
+        assert_eq!(block.tokens, drafts[..length], "{name} round {r}: ids");
+        match case.tensors.get(&format!("round{r}.confidence")) {
+            Some(c) => {
+                let want = c.to_vec1::<f32>().unwrap();
+                let got = block.confidence.as_ref().expect("confidences");
+                assert_eq!(got.len(), length, "{name} round {r}: ℓ");
+                for (a, b) in got.iter().zip(&want) {
+                    assert!(
+                        (a - b).abs() <= TOL,
+                        "{name} round {r}: confidence {a} vs {b}"
+                    );
+                }
+            }
+            None => assert_eq!(block.confidence, None),
+        }
+        let committed = ids(&round["committed"]);
+        let accepted = round["accepted"].as_u64().unwrap() as usize;
+        let verified = case.taps(&format!("round{r}"));
+        let vrows = case.rows(&format!("round{r}"));
+        assert_eq!(vrows as usize, accepted + 1);
+        let pos = round["pos"].as_u64().unwrap();
+        let taps = Some(Taps::from_f32(pos, vrows, &verified, None, &[]));
+        match length {
+            // ℓ = 0: the round verified the anchor alone; the host sends Advance.
+            0 => {
+                let args = AdvanceArgs {
+                    ids: &committed,
+                    taps,
+                };
+                d.advance(1, args);
+            }
+            _ => {
+                let args = CommitArgs {
+                    drafted: length,
+                    accepted,
+                    ids: &committed,
+                    taps,
+                };
+                d.commit(1, args);
+            }
+        }
+        cached += accepted + 1;
+    }
+}
+
+#[test]
+fn dflash_matches_dflash_0_1_0() {
+    run("dflash");
+}
+
+#[test]
+fn dflash_with_a_learned_mask_embedding() {
+    run("dflash_maskemb");
+}
+
+#[test]
+fn dspark_vanilla_markov_matches_deepspec() {
+    run("dspark_vanilla");
+    run("dspark_vanilla_conf");
+}
+
+#[test]
+fn dspark_gated_markov_matches_deepspec() {
+    // dspark_gated keeps its own embed/lm_head copies (they differ from the target's).
+    run("dspark_gated");
+    run("dspark_gated_conf");
+}
+
+#[test]
+fn dspark_rnn_markov_matches_deepspec() {
+    run("dspark_rnn");
+    run("dspark_rnn_conf");
+}
