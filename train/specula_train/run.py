@@ -170,7 +170,13 @@ def main():
     if ckpt.exists():
         tr.load(ckpt)
         log(f"train: resumed at step {tr.step}/{tr.total}")
-    if not (a.work / "train.done").exists():
+    done_mark = a.work / "train.done"
+    if done_mark.exists() and a.steps and a.steps > int(done_mark.read_text()):
+        # A longer schedule than the finished run: continue it, and measure again afterwards.
+        done_mark.unlink()
+        (a.work / "eval.json").unlink(missing_ok=True)
+        log(f"train: continuing the finished run to {a.steps} steps")
+    if not done_mark.exists():
         t0 = time.time()
         done = tr.run(deadline - 25, ckpt, log)
         spent("train", t0)
@@ -179,7 +185,7 @@ def main():
             status["step"] = tr.step
             status["total_steps"] = tr.total
             return finish(a, status, log, timing)
-        (a.work / "train.done").write_text(str(tr.step))
+        done_mark.write_text(str(tr.step))
     plot(tr.history, a.out / "loss.png")
 
     # -------- evaluate
@@ -209,7 +215,7 @@ def main():
     }
     for k in kinds:
         d = a.work / "export" / k
-        info = export.write(k, tr.models[k], configs[k], target.cfg, fp, d, recipe(k, summary, configs[k]))
+        info = export.write(k, tr.models[k], configs[k], target.cfg, fp, d, recipe(k, summary))
         summary.setdefault("export", {})[k] = info
         with tarfile.open(a.out / f"{k}.tar", "w") as t:
             for n in ("config.json", "model.safetensors", "SHA256SUMS", "RECIPE.md"):
@@ -226,18 +232,19 @@ def headline(kind: str, m: dict) -> dict:
     return {g: round(v["tau_excl_bonus"], 2) for g, v in m.items() if isinstance(v, dict) and "tau_excl_bonus" in v}
 
 
-def recipe(kind: str, s: dict, cfg: dict) -> str:
+def recipe(kind: str, s: dict) -> str:
     a = s["argv"]
     m = s["metrics"].get(kind, {})
     lines = [
         f"# {kind} drafter for {Path(a['gguf']).name}", "",
         "Trained by Specula's pipeline (`train/`), self-distilled from the target itself.", "",
         "## Command (on the GPU machine; see train/README.md)", "```",
-        f"train/run {a['gguf']} {a['kinds']} {a['out']}   # = python3 -m specula_train.run "
+        f"train/run TARGET.gguf {a['kinds']} OUT_DIR   # = python3 -m specula_train.run "
         f"--gguf ... --prompts ... --kinds {a['kinds']} --seed {a['seed']} --max-new {a['max_new']} "
         f"--sampled-frac {a['sampled_frac']} --temperature {a['temperature']} --layers {a['layers']} "
         f"--inter {a['inter']} --taps {a['taps']} --markov-rank {a['markov_rank']} "
-        f"--train-seconds {a['train_seconds']} --tokens-per-batch {a['tokens_per_batch']} --anchors {a['anchors']}",
+        + (f"--steps {a['steps']} " if a.get("steps") else f"--train-seconds {a['train_seconds']} ")
+        + f"--tokens-per-batch {a['tokens_per_batch']} --anchors {a['anchors']}",
         "```", "",
         f"- seed {a['seed']}; steps {s['train']['steps']}; training wall time {s['train']['elapsed_s']:.0f} s "
         f"(all kinds trained jointly on one target pass per step)",
