@@ -1,0 +1,131 @@
+"""Self-distillation data: the target answers every prompt itself (greedy, some sampled).
+
+Prompts arrive as the exact ids `serve` would feed (see `encode_prompts.py`). They are sorted by
+length and decoded in large batches with a preallocated KV cache (`Target.generate`). Each
+finished batch is saved as its own part, so a run cut short resumes at the next batch; `merge`
+joins the parts into one `data.pt`:
+  ids (int32, prompt + response runs), offsets, prompt_lens, tags, splits, sampled.
+Held-out and bench prompts are always answered greedily (they measure greedy acceptance).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .target import Target
+
+
+def load_prompts(folder: Path):
+    z = np.load(folder / "prompts.npz")
+    meta = json.loads((folder / "prompts.meta.json").read_text())
+    ids, off = z["ids"].astype(np.int64), z["offsets"]
+    prompts = [ids[off[i] : off[i + 1]].tolist() for i in range(len(off) - 1)]
+    return prompts, z["tags"].tolist(), z["splits"].tolist(), meta
+
+
+def sampled_rows(splits, sampled_frac: float, seed: int) -> np.ndarray:
+    """Which training prompts get a sampled (not greedy) answer; deterministic in the seed."""
+    rng = np.random.default_rng(seed)
+    return (rng.random(len(splits)) < sampled_frac) & (np.array(splits) == 0)
+
+
+def plan_batches(prompts, batch: int):
+    """Deterministic batches of prompt indices, by length (little padding)."""
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+    return [order[i : i + batch] for i in range(0, len(order), batch)]
+
+
+def generate(
+    target: Target, prompt_dir: Path, work: Path, *, max_new: int, batch: int, sampled_frac: float,
+    temperature: float, seed: int, deadline: float, log,
+) -> bool:
+    """Generates missing parts until done or the deadline; True when every part exists."""
+    prompts, tags, splits, meta = load_prompts(prompt_dir)
+    batches = plan_batches(prompts, batch)
+    sampled = sampled_rows(splits, sampled_frac, seed)
+    parts = work / "gen"
+    parts.mkdir(parents=True, exist_ok=True)
+    stop = {meta["eos_id"], 0}  # <|im_end|> and <|endoftext|>, the GGUF's end tokens
+    last = None
+    for bi, rows in enumerate(batches):
+        path = parts / f"part{bi:04d}.pt"
+        if path.exists():
+            continue
+        if last is not None and time.time() + 1.3 * last > deadline:
+            log(f"gen: deadline, {bi}/{len(batches)} batches done")
+            return False
+        t0 = time.time()
+        g = torch.Generator(device=target.device).manual_seed(seed * 100003 + bi)
+        temps = torch.tensor([temperature if sampled[i] else 0.0 for i in rows], device=target.device)
+        outs = target.generate([prompts[i] for i in rows], max_new, stop, temps, generator=g)
+        torch.save({"rows": rows, "responses": outs}, path)
+        last = time.time() - t0
+        ntok = sum(len(o) for o in outs)
+        log(f"gen: batch {bi + 1}/{len(batches)} rows {len(rows)} tokens {ntok} in {last:.1f}s ({ntok / last:.0f} tok/s)")
+    return True
+
+
+def merge(prompt_dir: Path, work: Path, sampled_frac: float, seed: int) -> Path:
+    prompts, tags, splits, meta = load_prompts(prompt_dir)
+    resp: dict[int, list[int]] = {}
+    for p in sorted((work / "gen").glob("part*.pt")):
+        d = torch.load(p)
+        resp.update(zip(d["rows"], d["responses"]))
+    assert len(resp) == len(prompts), f"{len(resp)} responses for {len(prompts)} prompts"
+    sampled = sampled_rows(splits, sampled_frac, seed)
+    ids, offsets, plens = [], [0], []
+    for i, p in enumerate(prompts):
+        ids.extend(p + resp[i])
+        offsets.append(len(ids))
+        plens.append(len(p))
+    data = {
+        "ids": torch.tensor(ids, dtype=torch.int32), "offsets": torch.tensor(offsets),
+        "prompt_lens": torch.tensor(plens), "tags": torch.tensor(tags), "splits": torch.tensor(splits),
+        "sampled": torch.from_numpy(sampled), "meta": meta,
+    }
+    out = work / "data.pt"
+    torch.save(data, out)
+    return out
+
+
+class Data:
+    """The merged self-distillation set."""
+
+    def __init__(self, path: Path):
+        d = torch.load(path)
+        self.ids, self.offsets = d["ids"], d["offsets"]
+        self.prompt_lens, self.tags, self.splits = d["prompt_lens"], d["tags"], d["splits"]
+        self.meta = d["meta"]
+        self.lens = self.offsets[1:] - self.offsets[:-1]
+
+    def indices(self, split: str) -> list[int]:
+        s = self.meta["splits"].index(split)
+        return [i for i in range(len(self.lens)) if int(self.splits[i]) == s]
+
+    def seq(self, i: int) -> torch.Tensor:
+        return self.ids[self.offsets[i] : self.offsets[i + 1]].long()
+
+    def batch(self, rows: list[int], device):
+        """Right-padded ids [B, T], lengths and prompt lengths."""
+        T = max(int(self.lens[i]) for i in rows)
+        ids = torch.zeros(len(rows), T, dtype=torch.long)
+        for b, i in enumerate(rows):
+            s = self.seq(i)
+            ids[b, : len(s)] = s
+        lens = torch.tensor([int(self.lens[i]) for i in rows])
+        plens = torch.tensor([int(self.prompt_lens[i]) for i in rows])
+        return ids.to(device), lens.to(device), plens.to(device)
+
+    def stats(self) -> dict:
+        out = {}
+        for split in self.meta["splits"]:
+            rows = self.indices(split)
+            if rows:
+                resp = sum(int(self.lens[i] - self.prompt_lens[i]) for i in rows)
+                out[split] = {"sequences": len(rows), "tokens": int(sum(int(self.lens[i]) for i in rows)), "response_tokens": resp}
+        return out

@@ -1,0 +1,301 @@
+"""One command, end to end: data -> training -> evaluation -> export, resumable by stage.
+
+    python3 -m specula_train.run --gguf T.gguf --prompts DIR --kinds dflash,dspark,mtp \
+        --work /var/tmp/specula --out OUT --budget-s 560
+
+Every stage keeps its state under --work (outside the repository) and stops cleanly before the
+budget, so the same command, repeated, picks up where the last one stopped: generation resumes
+at the next batch, training at its last checkpoint. Each call writes into --out what exists so
+far: status.json, log.txt, loss.png, metrics.json and one <kind>.tar per exported drafter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import evaluate, export, gen
+from .drafters import dflash_config, mtp_config, param_count
+from .target import Target, TargetConfig, load_gguf
+
+
+def configs_for(tc: TargetConfig, a) -> dict:
+    taps = [round(1 + i * (tc.num_layers - 4) / (a.taps - 1)) for i in range(a.taps)]
+    dspark_extra = {
+        "architectures": ["DSparkDraftModel"],
+        "markov_rank": a.markov_rank, "markov_head_type": "vanilla",
+        "enable_confidence_head": True, "confidence_head_with_markov": True,
+        "anchor_predicts": True,
+    }
+    return {
+        "dflash": dflash_config(tc, a.layers, a.inter, taps, 8),
+        "dspark": dflash_config(tc, a.layers, a.inter, taps, 7, dspark_extra),
+        "mtp": mtp_config(tc),
+    }
+
+
+def load_target(gguf_path: Path, work: Path, device) -> Target:
+    cache = work / "target.pt"
+    if cache.exists():
+        d = torch.load(cache)
+        cfg, w = TargetConfig(**d["cfg"]), d["w"]
+    else:
+        cfg, w = load_gguf(gguf_path)
+        torch.save({"cfg": cfg.to_dict(), "w": {k: v.to(torch.bfloat16) for k, v in w.items()}}, cache)
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    return Target(cfg, w, device, dtype)
+
+
+def plot(history: list[dict], path: Path):
+    try:
+        import matplotlib
+    except ImportError:  # the GPU image has it; a CPU smoke run may not
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [k for k in ("dflash", "dspark", "mtp") if history and k in history[0]]
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+    for k in kinds:
+        steps = [r["step"] for r in history]
+        for i, (key, label) in enumerate((("loss", "loss"), ("acc1", "first-draft accuracy (train)"))):
+            ys = [r[k][key] for r in history]
+            w = max(1, len(ys) // 60)
+            sm = [sum(ys[max(0, j - w) : j + 1]) / len(ys[max(0, j - w) : j + 1]) for j in range(len(ys))]
+            ax[i].plot(steps, sm, label=k)
+            ax[i].set_title(label)
+            ax[i].set_xlabel("step")
+    for x in ax:
+        x.legend()
+        x.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", type=Path, required=True)
+    ap.add_argument("--prompts", type=Path, required=True, help="folder with prompts.npz/meta")
+    ap.add_argument("--kinds", default="dflash,dspark,mtp")
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--budget-s", type=float, default=560)
+    ap.add_argument("--seed", type=int, default=0)
+    # data
+    ap.add_argument("--max-new", type=int, default=320)
+    ap.add_argument("--gen-batch", type=int, default=1024)
+    ap.add_argument("--sampled-frac", type=float, default=0.25)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--limit", type=int, help="use only the first N prompts of each split (smoke)")
+    # drafters
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--taps", type=int, default=3)
+    ap.add_argument("--markov-rank", type=int, default=16)
+    # training
+    ap.add_argument("--train-seconds", type=float, default=720)
+    ap.add_argument("--steps", type=int, help="fixed step count (default: sized from --train-seconds)")
+    ap.add_argument("--tokens-per-batch", type=int, default=24576)
+    ap.add_argument("--anchors", type=int, default=32)
+    a = ap.parse_args()
+
+    t_start = time.time()
+    deadline = t_start + a.budget_s
+    a.work.mkdir(parents=True, exist_ok=True)
+    a.out.mkdir(parents=True, exist_ok=True)
+    logf = (a.work / "log.txt").open("a")
+
+    def log(msg):
+        line = f"[{time.strftime('%H:%M:%S')} +{time.time() - t_start:5.0f}s] {msg}"
+        print(line, flush=True)
+        logf.write(line + "\n")
+        logf.flush()
+
+    timing_path = a.work / "timing.json"
+    timing = json.loads(timing_path.read_text()) if timing_path.exists() else {}
+
+    def spent(stage, t0):
+        timing[stage] = timing.get(stage, 0.0) + time.time() - t0
+        timing_path.write_text(json.dumps(timing, indent=1))
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    log(f"device {device} {torch.cuda.get_device_name() if device == 'cuda' else ''}; kinds {a.kinds}")
+    kinds = a.kinds.split(",")
+    t0 = time.time()
+    target = load_target(a.gguf, a.work, device)
+    spent("load_target", t0)
+    prompts = a.prompts
+    if a.limit:
+        prompts = limit_prompts(a.prompts, a.work, a.limit)
+
+    status = {"stage": "data"}
+    # -------- data
+    data_path = a.work / "data.pt"
+    if not data_path.exists():
+        t0 = time.time()
+        done = gen.generate(
+            target, prompts, a.work, max_new=a.max_new, batch=a.gen_batch, sampled_frac=a.sampled_frac,
+            temperature=a.temperature, seed=a.seed, deadline=deadline - 20, log=log,
+        )
+        if done:
+            gen.merge(prompts, a.work, a.sampled_frac, a.seed)
+        spent("data", t0)
+        if not done:
+            return finish(a, status, log, timing)
+    data = gen.Data(data_path)
+    status["data"] = data.stats()
+    log(f"data: {json.dumps(status['data'])}")
+
+    # -------- train
+    from .train import Trainer
+
+    configs = configs_for(target.cfg, a)
+    hp = {
+        "seed": a.seed, "lr": {"dflash": 6e-4, "dspark": 6e-4, "mtp": 5e-4},
+        "gamma": {"dflash": 4.0, "dspark": 4.0}, "anchors": a.anchors,
+        "tokens_per_batch": a.tokens_per_batch, "rows_per_batch": 48,
+        "train_seconds": a.train_seconds, "steps": a.steps,
+    }
+    status["stage"] = "train"
+    tr = Trainer(target, data, kinds, configs, hp, device)
+    status["params"] = {k: param_count(m) for k, m in tr.models.items()}
+    ckpt = a.work / "ckpt.pt"
+    if ckpt.exists():
+        tr.load(ckpt)
+        log(f"train: resumed at step {tr.step}/{tr.total}")
+    done_mark = a.work / "train.done"
+    if done_mark.exists() and a.steps and a.steps > int(done_mark.read_text()):
+        # A longer schedule than the finished run: continue it, and measure again afterwards.
+        done_mark.unlink()
+        (a.work / "eval.json").unlink(missing_ok=True)
+        log(f"train: continuing the finished run to {a.steps} steps")
+    if not done_mark.exists():
+        t0 = time.time()
+        done = tr.run(deadline - 25, ckpt, log)
+        spent("train", t0)
+        plot(tr.history, a.out / "loss.png")
+        if not done:
+            status["step"] = tr.step
+            status["total_steps"] = tr.total
+            return finish(a, status, log, timing)
+        done_mark.write_text(str(tr.step))
+    plot(tr.history, a.out / "loss.png")
+
+    # -------- evaluate
+    status["stage"] = "eval"
+    metrics_path = a.work / "eval.json"
+    metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
+    for k in kinds:
+        if k in metrics:
+            continue
+        if time.time() > deadline - 60:
+            return finish(a, status, log, timing)
+        t0 = time.time()
+        m = tr.models[k]
+        metrics[k] = evaluate.evaluate_mtp(m, target, data, device) if k == "mtp" else evaluate.evaluate_block(k, m, target, data, device)
+        spent(f"eval_{k}", t0)
+        metrics_path.write_text(json.dumps(metrics, indent=1))
+        log(f"eval {k}: " + json.dumps(headline(k, metrics[k])))
+
+    # -------- export
+    status["stage"] = "export"
+    fp = export.tokenizer_fingerprint(a.gguf)
+    summary = {
+        "target": target.cfg.to_dict(), "tokenizer_fingerprint": fp, "data": status["data"],
+        "train": {"steps": tr.total, "elapsed_s": tr.elapsed, "hp": hp}, "timing_s": timing,
+        "metrics": metrics, "final_train": tr.history[-1] if tr.history else None,
+        "argv": vars(a) | {"gguf": str(a.gguf), "prompts": str(a.prompts), "work": str(a.work), "out": str(a.out)},
+    }
+    for k in kinds:
+        d = a.work / "export" / k
+        info = export.write(k, tr.models[k], configs[k], target.cfg, fp, d, recipe(k, summary))
+        summary.setdefault("export", {})[k] = info
+        with tarfile.open(a.out / f"{k}.tar", "w") as t:
+            for n in ("config.json", "model.safetensors", "SHA256SUMS", "RECIPE.md"):
+                t.add(d / n, arcname=f"{k}/{n}")
+        log(f"export {k}: {info}")
+    (a.out / "metrics.json").write_text(json.dumps(summary, indent=1, default=str))
+    status["stage"] = "done"
+    return finish(a, status, log, timing)
+
+
+def headline(kind: str, m: dict) -> dict:
+    if kind == "mtp":
+        return {g: round(v["first_token_acceptance"], 3) for g, v in m.items()}
+    return {g: round(v["tau_excl_bonus"], 2) for g, v in m.items() if isinstance(v, dict) and "tau_excl_bonus" in v}
+
+
+def recipe(kind: str, s: dict) -> str:
+    a = s["argv"]
+    m = s["metrics"].get(kind, {})
+    lines = [
+        f"# {kind} drafter for {Path(a['gguf']).name}", "",
+        "Trained by Specula's pipeline (`train/`), self-distilled from the target itself.", "",
+        "## Command (on the GPU machine; see train/README.md)", "```",
+        f"train/run TARGET.gguf {a['kinds']} OUT_DIR   # = python3 -m specula_train.run "
+        f"--gguf ... --prompts ... --kinds {a['kinds']} --seed {a['seed']} --max-new {a['max_new']} "
+        f"--sampled-frac {a['sampled_frac']} --temperature {a['temperature']} --layers {a['layers']} "
+        f"--inter {a['inter']} --taps {a['taps']} --markov-rank {a['markov_rank']} "
+        + (f"--steps {a['steps']} " if a.get("steps") else f"--train-seconds {a['train_seconds']} ")
+        + f"--tokens-per-batch {a['tokens_per_batch']} --anchors {a['anchors']}",
+        "```", "",
+        f"- seed {a['seed']}; steps {s['train']['steps']}; training wall time {s['train']['elapsed_s']:.0f} s "
+        f"(all kinds trained jointly on one target pass per step)",
+        f"- device time by stage (s): {json.dumps({k: round(v) for k, v in s['timing_s'].items()})}",
+        f"- data: {json.dumps(s['data'])}",
+        "- data recipe: prompts from Debian python3.11-doc, linux-doc-6.1, bible-kjv, wordnet-base "
+        "(`train/specula_train/prompts.py`, held-out = whole source documents by hash), encoded with the "
+        "GGUF chat template exactly as `target-host serve` does (`encode_prompts.py`, checked against the "
+        f"Rust tokenizer); answers by the target, greedy, {a['sampled_frac']:.0%} of training prompts "
+        f"sampled at T {a['temperature']} / top-k 20 / top-p 0.8, at most {a['max_new']} new tokens.",
+        f"- hyperparameters: {json.dumps(s['train']['hp'])}",
+        f"- tokenizer fingerprint: `{s['tokenizer_fingerprint']}`", "",
+        "## Numbers (greedy, simulated verify on held-out and bench answers; train/specula_train/evaluate.py)", "",
+        "```json", json.dumps(m, indent=1), "```", "",
+    ]
+    return "\n".join(lines)
+
+
+def limit_prompts(src: Path, work: Path, n: int) -> Path:
+    """A copy of the prompt set with at most n prompts per split (for smoke runs)."""
+    import numpy as np
+
+    out = work / "prompts-limited"
+    if (out / "prompts.npz").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    z = np.load(src / "prompts.npz")
+    ids, off, tags, splits = z["ids"], z["offsets"], z["tags"], z["splits"]
+    keep, seen = [], {}
+    for i in range(len(tags)):
+        s = int(splits[i])
+        if seen.get(s, 0) < n:
+            seen[s] = seen.get(s, 0) + 1
+            keep.append(i)
+    nid, noff = [], [0]
+    for i in keep:
+        nid.extend(ids[off[i] : off[i + 1]].tolist())
+        noff.append(len(nid))
+    np.savez(out / "prompts.npz", ids=np.array(nid, dtype=np.uint16), offsets=np.array(noff),
+             tags=tags[keep], splits=splits[keep])
+    (out / "prompts.meta.json").write_text((src / "prompts.meta.json").read_text())
+    return out
+
+
+def finish(a, status, log, timing):
+    status["timing_s"] = timing
+    (a.out / "status.json").write_text(json.dumps(status, indent=1, default=str))
+    log(f"stop: stage {status['stage']}")
+    (a.out / "log.txt").write_text((a.work / "log.txt").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,303 @@
+"""Joint training of the drafters on one pass of the frozen target per batch.
+
+Every step runs the target once (no grad) over a batch of self-distilled sequences and reads
+what each drafter needs from that one forward: the taps (DFlash, DSpark), the final-norm hidden
+(MTP) and the target's logits at the rows a loss compares against (DSpark's TV and confidence
+labels, MTP's KL). The drafters have disjoint parameters and optimizers, so training them
+together equals training each alone on the same batches, at a third of the target cost.
+
+Losses (per the references):
+  DFlash: CE on slots 1..B-1, weights exp(-(k-1)/gamma) (DFlash §5, gamma 4 at block 8).
+  DSpark: slots 0..g-1 (the anchor slot predicts), weights exp(-k/gamma) from k = 0 as DeepSpec's
+          code does; 0.1*CE + 0.9*TV(p_draft, p_target) + 1.0*BCE(conf, 1 - TV detached).
+  MTP:    KL to the target's next-next distribution + 0.1*CE on the response token.
+
+Anchors are resampled every step inside the response (SpecForge/DFlash random anchors).
+State (models, optimizers, step, loss history) is checkpointed so a run spans several commands.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .drafters import DFlash, DSpark, MTP, block_mask, decay_weights, init_weights
+from .gen import Data
+from .target import Target
+
+
+class Schedule:
+    """Linear warmup then cosine to `floor` of the peak."""
+
+    def __init__(self, total: int, warmup: float = 0.04, floor: float = 0.1):
+        self.total, self.warm, self.floor = total, max(1, int(total * warmup)), floor
+
+    def __call__(self, step: int) -> float:
+        if step < self.warm:
+            return (step + 1) / self.warm
+        p = min(1.0, (step - self.warm) / max(1, self.total - self.warm))
+        return self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * p))
+
+
+def sample_anchors(lens, plens, n: int, margin: int, gen: torch.Generator):
+    """Up to n distinct anchors per row in [plen, len - 1 - margin]; (anchors [B,n], valid [B,n])."""
+    B = lens.shape[0]
+    T = int(lens.max())
+    dev = lens.device
+    pos = torch.arange(T, device=dev)[None]
+    ok = (pos >= plens[:, None]) & (pos <= (lens - 1 - margin)[:, None])
+    score = torch.rand(B, T, generator=gen, device=dev).masked_fill(~ok, -1.0)
+    top, idx = score.topk(min(n, T), dim=1)
+    return idx, top >= 0
+
+
+class Trainer:
+    def __init__(self, target: Target, data: Data, kinds: list[str], configs: dict, hp: dict, device):
+        self.t, self.data, self.kinds, self.hp, self.dev = target, data, kinds, hp, device
+        self.models, self.opts = {}, {}
+        torch.manual_seed(hp["seed"])
+        for k in kinds:
+            c = configs[k]
+            m = {"dflash": DFlash, "dspark": DSpark, "mtp": MTP}[k](c)
+            init_weights(m)
+            if k == "dspark":
+                torch.nn.init.zeros_(m.markov_head.markov_w2.weight)
+            if k in ("dflash", "dspark"):
+                with torch.no_grad():
+                    m.mask_embedding.copy_(target.embed.float().mean(0))
+            if k == "mtp":
+                # The block starts as the target's last layer (a known-good llama block).
+                sd = {n: w.float() for n, w in target.layer_weights(target.cfg.num_layers - 1).items()}
+                m.load_state_dict(sd, strict=False)
+            m.to(device)
+            self.models[k] = m
+            self.opts[k] = torch.optim.AdamW(
+                m.parameters(), lr=hp["lr"][k], betas=(0.9, 0.95), weight_decay=0.01, fused=device != "cpu"
+            )
+        self.step, self.total = 0, hp.get("steps")
+        self.history: list[dict] = []
+        self.train_rows = data.indices("train")
+        self._epochs: dict[int, list[list[int]]] = {}
+        self.elapsed = 0.0
+        self.sched = Schedule(self.total or 1)
+
+    # ------------------------------------------------------------ batches
+    def batches_of_epoch(self, epoch: int) -> list[list[int]]:
+        """Length-bucketed batches of ~tokens_per_batch, shuffled per epoch (deterministic)."""
+        g = torch.Generator().manual_seed(self.hp["seed"] * 1000 + epoch)
+        rows = [self.train_rows[i] for i in torch.randperm(len(self.train_rows), generator=g)]
+        chunk = 64 * self.hp["rows_per_batch"]
+        out = []
+        for c in range(0, len(rows), chunk):
+            grp = sorted(rows[c : c + chunk], key=lambda i: int(self.data.lens[i]))
+            b, cur = [], 0
+            for i in grp:
+                L = int(self.data.lens[i])
+                if b and (len(b) + 1) * max(cur, L) > self.hp["tokens_per_batch"]:
+                    out.append(b)
+                    b, cur = [], 0
+                b.append(i)
+                cur = max(cur, L)
+            if b:
+                out.append(b)
+        perm = torch.randperm(len(out), generator=g).tolist()
+        return [out[i] for i in perm]
+
+    def batch_at(self, step: int) -> list[int]:
+        epoch, k = 0, step
+        while True:
+            if epoch not in self._epochs:
+                self._epochs[epoch] = self.batches_of_epoch(epoch)
+            bs = self._epochs[epoch]
+            if k < len(bs):
+                return bs[k]
+            k -= len(bs)
+            epoch += 1
+
+    # ------------------------------------------------------------ losses
+    def tap_ids(self) -> list[int]:
+        ids = set()
+        for k in ("dflash", "dspark"):
+            if k in self.models:
+                ids.update(self.models[k].config["dflash_config"]["target_layer_ids"])
+        return sorted(ids)
+
+    def taps_for(self, m, taps):
+        return torch.cat([taps[i] for i in m.config["dflash_config"]["target_layer_ids"]], -1)
+
+    def loss_dflash(self, m: DFlash, ids, lens, plens, taps, gen):
+        c, Bk = m.config, m.config["block_size"]
+        anchors, valid = sample_anchors(lens, plens, self.hp["anchors"], 1, gen)
+        B, A = anchors.shape
+        T = ids.shape[1]
+        x = m.block_embeddings(self.t.embed, ids.gather(1, anchors), Bk)
+        bpos = (anchors[:, :, None] + torch.arange(Bk, device=ids.device)).reshape(B, A * Bk)
+        mask = block_mask(anchors, valid, T, Bk)
+        cpos = torch.arange(T, device=ids.device).expand(B, T)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):
+            h = m(self.taps_for(m, taps), cpos, x, bpos.clamp(max=c["max_position_embeddings"] - 1), mask)
+        h = h.view(B, A, Bk, -1)[:, :, 1:]
+        lpos = bpos.view(B, A, Bk)[:, :, 1:]
+        ok = valid[:, :, None] & (lpos < lens[:, None, None])
+        labels = ids.gather(1, lpos.clamp(max=T - 1).reshape(B, -1)).view_as(lpos)
+        w = decay_weights(Bk - 1, self.hp["gamma"]["dflash"], ids.device).expand_as(lpos)
+        sel = ok.nonzero(as_tuple=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):
+            logits = (h[sel] @ self.t.lm_head.T.to(h.dtype)).float()
+        ce = F.cross_entropy(logits, labels[sel], reduction="none")
+        ww = w[sel]
+        loss = (ce * ww).sum() / ww.sum()
+        hit = (logits.argmax(-1) == labels[sel]).float()
+        slot = sel[2]
+        return loss, {"loss": loss.item(), "acc1": hit[slot == 0].mean().item(), "acc": hit.mean().item()}
+
+    def loss_dspark(self, m: DSpark, ids, lens, plens, taps, final, gen):
+        c, g = m.config, m.config["block_size"]
+        anchors, valid = sample_anchors(lens, plens, self.hp["anchors"], 1, gen)
+        B, A = anchors.shape
+        T = ids.shape[1]
+        x = m.block_embeddings(self.t.embed, ids.gather(1, anchors), g)
+        bpos = (anchors[:, :, None] + torch.arange(g, device=ids.device)).reshape(B, A * g)
+        mask = block_mask(anchors, valid, T, g)
+        cpos = torch.arange(T, device=ids.device).expand(B, T)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):
+            h = m(self.taps_for(m, taps), cpos, x, bpos.clamp(max=c["max_position_embeddings"] - 1), mask)
+        h = h.view(B, A, g, -1)
+        spos = bpos.view(B, A, g)  # slot k sits at a+k, predicts a+k+1, follows token at a+k
+        ok = valid[:, :, None] & (spos + 1 < lens[:, None, None])
+        sel = ok.nonzero(as_tuple=True)
+        sp = spos[sel]
+        b = sel[0]
+        labels = ids[b, (sp + 1).clamp(max=T - 1)]
+        prev = ids[b, sp.clamp(max=T - 1)]
+        with torch.no_grad():
+            pt = (final[b, sp] @ self.t.lm_head.T).float().softmax(-1)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):
+            hs = h[sel]
+            U = (hs @ self.t.lm_head.T.to(hs.dtype)).float()
+            z, conf = m.heads(hs, U, prev)
+        ce = F.cross_entropy(z, labels, reduction="none")
+        tv = 0.5 * (z.softmax(-1) - pt).abs().sum(-1)
+        cstar = (1 - tv).detach().clamp(0, 1)
+        bce = F.binary_cross_entropy_with_logits(conf, cstar, reduction="none")
+        w = decay_weights(g, self.hp["gamma"]["dspark"], ids.device)[sel[2]]
+        per = 0.1 * ce + 0.9 * tv + 1.0 * bce
+        loss = (per * w).sum() / w.sum()
+        hit = (z.argmax(-1) == labels).float()
+        return loss, {
+            "loss": loss.item(), "ce": (ce * w).sum().item() / w.sum().item(), "tv": tv.mean().item(),
+            "bce": bce.mean().item(), "acc1": hit[sel[2] == 0].mean().item(), "acc": hit.mean().item(),
+        }
+
+    def loss_mtp(self, m: MTP, ids, lens, plens, final):
+        B, T = ids.shape
+        emb_next = self.t.embed[ids[:, 1:]].float()
+        h = final[:, :-1].float()
+        pos = torch.arange(T - 1, device=ids.device).expand(B, T - 1)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):
+            _, hn = m(emb_next, h, pos)
+        t = torch.arange(T - 2, device=ids.device)[None]
+        ok = (t + 2 < lens[:, None]) & (t + 2 >= plens[:, None])
+        sel = ok.nonzero(as_tuple=True)
+        b, tt = sel
+        labels = ids[b, tt + 2]
+        with torch.no_grad():
+            pt = (final[b, tt + 1] @ self.t.lm_head.T).float().softmax(-1)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):
+            hs = hn[b, tt]
+            logits = (hs @ self.t.lm_head.T.to(hs.dtype)).float()
+        logp = logits.log_softmax(-1)
+        kl = (pt * (pt.clamp_min(1e-12).log() - logp)).sum(-1).mean()
+        ce = F.nll_loss(logp, labels)
+        loss = kl + 0.1 * ce
+        acc = (logits.argmax(-1) == labels).float().mean()
+        return loss, {"loss": loss.item(), "kl": kl.item(), "acc1": acc.item()}
+
+    # ------------------------------------------------------------ loop
+    def train_step(self):
+        rows = self.batch_at(self.step)
+        ids, lens, plens = self.data.batch(rows, self.dev)
+        gen = torch.Generator(device=self.dev).manual_seed(self.hp["seed"] * 7919 + self.step)
+        taps, final = self.t.forward(ids, self.tap_ids())
+        rec = {"step": self.step, "rows": len(rows), "tokens": int(lens.sum())}
+        for k, m in self.models.items():
+            opt = self.opts[k]
+            lr = self.hp["lr"][k] * self.sched(self.step)
+            for gr in opt.param_groups:
+                gr["lr"] = lr
+            if k == "dflash":
+                loss, info = self.loss_dflash(m, ids, lens, plens, taps, gen)
+            elif k == "dspark":
+                loss, info = self.loss_dspark(m, ids, lens, plens, taps, final, gen)
+            else:
+                loss, info = self.loss_mtp(m, ids, lens, plens, final)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            info["grad_norm"] = torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0).item()
+            opt.step()
+            rec[k] = info
+        self.step += 1
+        return rec
+
+    def run(self, deadline: float, ckpt: Path, log, save_every_s: float = 120.0) -> bool:
+        """Trains until `total` steps or the deadline; True when finished."""
+        if self.total is None:
+            # Size the run from a time budget: time a few steps, then fix the step count.
+            t0 = time.time()
+            for _ in range(8):
+                self.history.append(self.train_step())
+            torch.cuda.synchronize() if self.dev != "cpu" else None
+            per = (time.time() - t0) / 8
+            self.total = max(self.step + 1, int(self.hp["train_seconds"] / per))
+            self.elapsed += time.time() - t0
+            log(f"train: {per * 1000:.0f} ms/step -> {self.total} steps for {self.hp['train_seconds']} s")
+        self.sched = Schedule(self.total)
+        last_save, t_step = time.time(), None
+        while self.step < self.total:
+            if t_step is not None and time.time() + 2 * t_step + 15 > deadline:
+                self.save(ckpt)
+                log(f"train: deadline at step {self.step}/{self.total}")
+                return False
+            t0 = time.time()
+            rec = self.train_step()
+            t_step = time.time() - t0
+            self.elapsed += t_step
+            self.history.append(rec)
+            if self.step % 50 == 0 or self.step == self.total:
+                log("train: " + summary(rec, self.total))
+            if time.time() - last_save > save_every_s:
+                self.save(ckpt)
+                last_save = time.time()
+        self.save(ckpt)
+        return True
+
+    def save(self, path: Path):
+        tmp = path.with_suffix(".tmp")
+        torch.save({
+            "step": self.step, "total": self.total, "history": self.history, "elapsed": self.elapsed,
+            "models": {k: m.state_dict() for k, m in self.models.items()},
+            "opts": {k: o.state_dict() for k, o in self.opts.items()},
+        }, tmp)
+        tmp.replace(path)
+
+    def load(self, path: Path):
+        s = torch.load(path, map_location=self.dev)
+        for k, m in self.models.items():
+            m.load_state_dict(s["models"][k])
+            self.opts[k].load_state_dict(s["opts"][k])
+        self.step, self.total, self.history = s["step"], s["total"], s["history"]
+        if self.hp.get("steps") and self.hp["steps"] > self.total:
+            self.total = self.hp["steps"]  # continue a finished run with a longer schedule
+        self.elapsed = s.get("elapsed", 0.0)
+
+
+def summary(rec: dict, total) -> str:
+    parts = [f"step {rec['step'] + 1}/{total}"]
+    for k in ("dflash", "dspark", "mtp"):
+        if k in rec:
+            parts.append(f"{k} loss {rec[k]['loss']:.3f} acc1 {rec[k]['acc1']:.3f}")
+    return " | ".join(parts)
