@@ -46,6 +46,8 @@ pub struct Tokenizer {
     /// A copy of `inner` that treats special tokens as text, built on first use of
     /// [`Special::Plain`] (most callers never need it, and the Qwen vocabulary is large).
     plain: OnceLock<tokenizers::Tokenizer>,
+    /// Longest token text in bytes, computed on first use.
+    max_token_bytes: OnceLock<usize>,
     vocab_size: usize,
     bos: Option<u32>,
     add_bos: bool,
@@ -151,6 +153,7 @@ impl Tokenizer {
         Ok(Tokenizer {
             inner,
             plain: OnceLock::new(),
+            max_token_bytes: OnceLock::new(),
             vocab_size,
             bos,
             add_bos: ids.add_bos,
@@ -167,24 +170,69 @@ impl Tokenizer {
     /// [`Error::Tokenizer`] when the underlying tokenizer fails (it does not for valid UTF-8
     /// with the byte-level models Specula builds).
     pub fn encode(&self, text: &str, special: Special) -> Result<Vec<u32>> {
-        let tok = match special {
-            Special::Parse => &self.inner,
-            Special::Plain => self.plain.get_or_init(|| {
-                let mut plain = self.inner.clone();
-                plain.set_encode_special_tokens(true);
-                plain
-            }),
-        };
-        let enc = tok
-            .encode_fast(text, false)
-            .map_err(|e| Error::Tokenizer(format!("encode failed: {e}")))?;
-        let mut ids = enc.get_ids().to_vec();
+        self.encode_segments(&[(text, special)])
+    }
+
+    /// Encodes text made of segments with their own special-token rule, as one prompt: a chat
+    /// prompt whose template text is [`Special::Parse`]d while the special-token text a user
+    /// wrote inside a message stays [`Special::Plain`]. BOS is handled as in
+    /// [`Tokenizer::encode`], once, for the whole prompt.
+    ///
+    /// # Errors
+    /// As [`Tokenizer::encode`].
+    pub fn encode_segments(&self, segments: &[(&str, Special)]) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        for &(text, special) in segments.iter().filter(|(t, _)| !t.is_empty()) {
+            let tok = match special {
+                Special::Parse => &self.inner,
+                Special::Plain => self.plain.get_or_init(|| {
+                    let mut plain = self.inner.clone();
+                    plain.set_encode_special_tokens(true);
+                    plain
+                }),
+            };
+            let enc = tok
+                .encode_fast(text, false)
+                .map_err(|e| Error::Tokenizer(format!("encode failed: {e}")))?;
+            ids.extend_from_slice(enc.get_ids());
+        }
         if let (true, Some(bos)) = (self.add_bos, self.bos) {
             if ids.first() != Some(&bos) {
                 ids.insert(0, bos);
             }
         }
         Ok(ids)
+    }
+
+    /// An upper bound on the bytes of text one token stands for (the longest vocabulary entry in
+    /// its stored form, which is never shorter than the text it decodes to). A text of `n` bytes
+    /// has at least about `n / max_token_bytes()` tokens: enough to refuse an oversized prompt
+    /// before spending seconds tokenizing it.
+    pub fn max_token_bytes(&self) -> usize {
+        *self.max_token_bytes.get_or_init(|| {
+            self.inner
+                .get_vocab(true)
+                .keys()
+                .map(String::len)
+                .max()
+                .unwrap_or(1)
+                .max(1)
+        })
+    }
+
+    /// Texts of the special (control) tokens that [`Special::Parse`] turns into their ids,
+    /// longest first (so a scan finds `<|im_start|>` before a shorter token it contains).
+    pub fn special_token_texts(&self) -> Vec<String> {
+        let mut texts: Vec<String> = self
+            .inner
+            .get_added_tokens_decoder()
+            .values()
+            .filter(|t| t.special && !t.content.is_empty())
+            .map(|t| t.content.clone())
+            .collect();
+        texts.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
+        texts.dedup();
+        texts
     }
 
     /// Decodes `ids` to text. Nothing is skipped: control tokens come back as their text, and
@@ -408,6 +456,24 @@ pub(crate) mod tests {
         assert!(!plain.contains(&im_start), "{plain:?}");
         assert!(plain.len() > parsed.len());
         assert_eq!(tok.decode(&plain).unwrap(), "<|im_start|>user");
+        assert!(
+            (10..200).contains(&tok.max_token_bytes()),
+            "{}",
+            tok.max_token_bytes()
+        );
+        assert!(tok
+            .special_token_texts()
+            .iter()
+            .any(|t| t == "<|im_start|>"));
+        let mixed = tok
+            .encode_segments(&[
+                ("<|im_start|>", Special::Parse),
+                ("<|im_end|>", Special::Plain),
+            ])
+            .unwrap();
+        assert_eq!(mixed[0], im_start);
+        assert!(!mixed.contains(&tok.token_to_id("<|im_end|>").unwrap()));
+        assert_eq!(tok.decode(&mixed).unwrap(), "<|im_start|><|im_end|>");
     }
 
     #[test]

@@ -343,7 +343,8 @@ impl<'a> Run<'a> {
         Run {
             target,
             req,
-            sampler: Sampler::new(req.sampling.clone()),
+            // Presence/frequency penalties count generated tokens: the history's tail.
+            sampler: Sampler::for_prompt(req.sampling.clone(), req.prompt_ids.len()),
             context: req.prompt_ids.clone(),
             ids: Vec::new(),
             decoder: target.tokenizer.stream_decoder(),
@@ -418,7 +419,7 @@ enum Choice {
 impl Choice {
     fn for_request(req: &GenerationRequest) -> Self {
         let s = &req.sampling;
-        match s.is_greedy() && s.repetition_penalty == 1.0 && req.logprobs.is_none() {
+        match s.is_greedy() && !s.processes_logits() && req.logprobs.is_none() {
             true => Choice::Argmax,
             false => Choice::Rows,
         }
