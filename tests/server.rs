@@ -1080,3 +1080,224 @@ fn sigterm_drains_then_stops_the_drafter() {
             .map_or(true, |s| s.contains("State:\tZ"))
     });
 }
+
+/// Every field either does what it says or is a 400 naming it.
+#[test]
+fn nothing_is_silently_ignored() {
+    let srv = Server::start(&[]);
+    let chat = "/v1/chat/completions";
+    let with = |extra: Value| {
+        let mut b = chat_body("hi", 2);
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        b
+    };
+    for (extra, param) in [
+        (json!({"presence_penalty": 5.0}), "presence_penalty"),
+        (json!({"frequency_penalty": -2.5}), "frequency_penalty"),
+        (json!({"logit_bias": {"1": 150}}), "logit_bias"),
+        (json!({"logit_bias": {"not-an-id": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"99999999": 1}}), "logit_bias"),
+        (json!({"frobnicate": true}), "frobnicate"),
+        (
+            json!({"stream_options": {"include_usage": true, "x": 1}}),
+            "stream_options",
+        ),
+        (
+            json!({"messages": [{"role": "wizard", "content": "hi"}]}),
+            "messages[0].role",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "hi", "mood": "ok"}]}),
+            "messages[0].mood",
+        ),
+        (
+            json!({"continue_final_message": true}),
+            "continue_final_message",
+        ),
+        (
+            json!({"chat_template_kwargs": {"messages": []}}),
+            "chat_template_kwargs",
+        ),
+    ] {
+        let e = srv.post(chat, &with(extra.clone())).error(400);
+        assert!(
+            e["param"].as_str().unwrap().starts_with(param),
+            "{extra}: {e}"
+        );
+        assert!(!e["message"].as_str().unwrap().contains("untagged"), "{e}");
+    }
+    let e = srv
+        .post(
+            chat,
+            &with(json!({"messages": [{"role": "wizard", "content": "hi"}]})),
+        )
+        .error(400);
+    assert!(e["message"].as_str().unwrap().contains("wizard"), "{e}");
+    let e = srv
+        .post("/v1/completions", &json!({"prompt": "a", "suffix": "b"}))
+        .error(400);
+    assert_eq!(e["param"], "suffix");
+
+    // Supported: these change the prompt or the output.
+    let prompt = |body: Value| {
+        srv.post(chat, &body).json()["usage"]["prompt_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let base = prompt(chat_body("hi", 1));
+    assert!(prompt(with(json!({"add_generation_prompt": false}))) < base);
+    let cont = with(json!({"messages": [{"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello! I am"}], "continue_final_message": true,
+        "add_generation_prompt": false}));
+    let r = srv.post(chat, &cont);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let e = srv.post(
+        chat,
+        &with(
+            json!({"messages": [{"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "hi"}]}),
+        ),
+    );
+    assert_eq!(e.status, 200, "{}", e.text());
+    // A bias of +100 on one token makes greedy decoding pick it every time.
+    let tok = srv
+        .post(
+            "/tokenize",
+            &json!({"prompt": " banana", "add_special_tokens": false}),
+        )
+        .json();
+    let id = tok["tokens"][0].as_u64().unwrap();
+    let r = srv
+        .post(
+            chat,
+            &with(json!({"logit_bias": {id.to_string(): 100}, "max_tokens": 3})),
+        )
+        .json();
+    let text = r["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(text, " banana banana banana", "{r}");
+}
+
+/// Penalties change greedy output, and speculation does not change penalised output.
+#[test]
+fn penalties_are_lossless_under_speculation() {
+    let srv = Server::start(&["--drafter", "ngram", "--num-draft-tokens", "4"]);
+    let body = |spec: bool, penalty: f32| {
+        json!({"prompt": "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,", "max_tokens": 40,
+            "temperature": 0, "frequency_penalty": penalty, "presence_penalty": penalty / 2.0,
+            "speculative": {"enabled": spec}})
+    };
+    let run = |b: Value| srv.post("/v1/completions", &b).json();
+    let plain = run(body(false, 0.0));
+    let off = run(body(false, 0.8));
+    let on = run(body(true, 0.8));
+    let text = |r: &Value| r["choices"][0]["text"].as_str().unwrap().to_string();
+    assert_ne!(text(&plain), text(&off), "the penalty changes the output");
+    assert_eq!(
+        text(&on),
+        text(&off),
+        "speculation keeps the penalised output"
+    );
+    assert!(
+        on["usage"]["speculative"]["drafted"].as_u64().unwrap() > 0,
+        "{on}"
+    );
+}
+
+#[test]
+fn token_id_prompts_tokenize_and_models() {
+    let srv = Server::start(&[]);
+    let tok = srv
+        .post("/tokenize", &json!({"prompt": "The capital of France is"}))
+        .json();
+    let ids = tok["tokens"].clone();
+    assert_eq!(
+        tok["count"].as_u64().unwrap() as usize,
+        ids.as_array().unwrap().len()
+    );
+    assert_eq!(tok["max_model_len"], 8192);
+    let text = |prompt: Value| {
+        let r = srv.post(
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 6, "temperature": 0}),
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let by_text = text(json!("The capital of France is"));
+    assert_eq!(text(ids.clone()), by_text);
+    assert_eq!(text(json!([ids.clone()])), by_text);
+    let e = srv
+        .post("/v1/completions", &json!({"prompt": [1, 2, 99_999_999]}))
+        .error(400);
+    assert_eq!(e["param"], "prompt");
+    let de = srv.post("/detokenize", &json!({"tokens": ids})).json();
+    assert_eq!(de["prompt"], "The capital of France is");
+    srv.post("/detokenize", &json!({"tokens": [-1]})).error(400);
+    // Chat messages count as the chat endpoint renders them.
+    let counted = srv
+        .post(
+            "/tokenize",
+            &json!({"messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .json();
+    let used = srv.post("/v1/chat/completions", &chat_body("hi", 1)).json();
+    assert_eq!(counted["count"], used["usage"]["prompt_tokens"]);
+    let card = srv.get("/v1/models/smollm2-135m").json();
+    assert_eq!(card["id"], "smollm2-135m");
+    assert_eq!(
+        srv.get("/v1/models/gpt-4").error(404)["code"],
+        "model_not_found"
+    );
+    let v = srv.get("/version").json();
+    assert!(
+        v["version"].is_string() && v["protocol_version"].is_string(),
+        "{v}"
+    );
+    // A 4 MB prompt is refused from its head, before the whole of it is tokenized.
+    let huge = "word ".repeat(780_000);
+    let e = srv
+        .post("/v1/completions", &json!({"prompt": huge, "max_tokens": 1}))
+        .error(400);
+    assert_eq!(e["code"], "context_length_exceeded");
+    let why = e["message"].as_str().unwrap();
+    assert!(why.contains("first"), "refused from its head: {e}");
+}
+
+/// Cut inside a multi-byte character at max_tokens: the same text streamed and not, no U+FFFD.
+#[test]
+fn cut_characters_are_dropped_alike() {
+    let srv = Server::start(&[]);
+    let ids = srv
+        .post(
+            "/tokenize",
+            &json!({"prompt": "I love 🍕🍕🍕🍕", "add_special_tokens": false}),
+        )
+        .json()["tokens"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let de = |n: usize| {
+        srv.post("/detokenize", &json!({"tokens": ids[..n]})).json()["prompt"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    // Find a prefix that ends inside an emoji; echo-style prompt so greedy repeats it.
+    let cut = (1..ids.len())
+        .find(|&n| de(n).ends_with('\u{FFFD}'))
+        .expect("an emoji spans tokens");
+    let prompt = format!("{}\n{}\n{}\n", de(ids.len()), de(ids.len()), de(ids.len()));
+    let body = |stream: bool| json!({"prompt": prompt, "max_tokens": cut, "temperature": 0, "stream": stream});
+    let whole = srv.post("/v1/completions", &body(false)).json();
+    let text = whole["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(!text.contains('\u{FFFD}'), "{text:?}");
+    let events = sse_data(&srv.post("/v1/completions", &body(true)).text());
+    let streamed: String = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(streamed, text);
+}

@@ -46,8 +46,6 @@ pub struct Tokenizer {
     /// A copy of `inner` that treats special tokens as text, built on first use of
     /// [`Special::Plain`] (most callers never need it, and the Qwen vocabulary is large).
     plain: OnceLock<tokenizers::Tokenizer>,
-    /// Longest token text in bytes, computed on first use.
-    max_token_bytes: OnceLock<usize>,
     vocab_size: usize,
     bos: Option<u32>,
     add_bos: bool,
@@ -153,7 +151,6 @@ impl Tokenizer {
         Ok(Tokenizer {
             inner,
             plain: OnceLock::new(),
-            max_token_bytes: OnceLock::new(),
             vocab_size,
             bos,
             add_bos: ids.add_bos,
@@ -202,22 +199,6 @@ impl Tokenizer {
             }
         }
         Ok(ids)
-    }
-
-    /// An upper bound on the bytes of text one token stands for (the longest vocabulary entry in
-    /// its stored form, which is never shorter than the text it decodes to). A text of `n` bytes
-    /// has at least about `n / max_token_bytes()` tokens: enough to refuse an oversized prompt
-    /// before spending seconds tokenizing it.
-    pub fn max_token_bytes(&self) -> usize {
-        *self.max_token_bytes.get_or_init(|| {
-            self.inner
-                .get_vocab(true)
-                .keys()
-                .map(String::len)
-                .max()
-                .unwrap_or(1)
-                .max(1)
-        })
     }
 
     /// Texts of the special (control) tokens that [`Special::Parse`] turns into their ids,
@@ -456,11 +437,6 @@ pub(crate) mod tests {
         assert!(!plain.contains(&im_start), "{plain:?}");
         assert!(plain.len() > parsed.len());
         assert_eq!(tok.decode(&plain).unwrap(), "<|im_start|>user");
-        assert!(
-            (10..200).contains(&tok.max_token_bytes()),
-            "{}",
-            tok.max_token_bytes()
-        );
         assert!(tok
             .special_token_texts()
             .iter()

@@ -45,11 +45,7 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
     };
     check_messages(&body)?;
     let prompt = render(state, &req)?;
-    super::check_prompt_size(
-        state,
-        prompt.segments.iter().map(|(t, _)| t.len()).sum(),
-        "messages",
-    )?;
+    super::check_prompt_size(state, &prompt.text(), "messages").await?;
     let prompt_ids = encode_rendered(state, prompt, "messages").await?;
     let (gen_req, plan) = checked.into_request(state, prompt_ids, logprobs, "messages")?;
     let rx = state.engine.submit(gen_req);

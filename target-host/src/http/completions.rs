@@ -55,7 +55,7 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
         .transpose()?;
     let prompt_ids = match prompt_of(&req.prompt, state.engine.tokenizer().vocab_size())? {
         Prompt::Text(text) => {
-            super::check_prompt_size(state, text.len(), "prompt")?;
+            super::check_prompt_size(state, &text, "prompt").await?;
             encode(state, &text, "prompt").await?
         }
         Prompt::Ids(ids) => ids,

@@ -433,23 +433,39 @@ pub fn respond(
     })
 }
 
-/// Refuses a prompt of `bytes` bytes that cannot fit the context whatever its tokens, before it
-/// is tokenized (megabytes take seconds). Normalisation can shorten text (NFKC folds some
-/// characters), hence the slack factor.
+/// Refuses a prompt that cannot fit the context before the whole of it is tokenized
+/// (megabytes take seconds): a long text's head is tokenized first, and when the head alone
+/// overflows the context the prompt is refused.
 ///
 /// # Errors
 /// 400 `context_length_exceeded` naming `param`.
-pub fn check_prompt_size(state: &AppState, bytes: usize, param: &str) -> Result<(), ApiError> {
-    const NORMALISATION_SLACK: usize = 4;
+pub async fn check_prompt_size(state: &AppState, text: &str, param: &str) -> Result<(), ApiError> {
+    /// Head size in bytes per context token: heads of ordinary text have 3-5 bytes a token.
+    const HEAD_BYTES_PER_TOKEN: usize = 16;
     let context = state.engine.model().context_len();
-    let per_token = state.engine.tokenizer().max_token_bytes();
-    let min_tokens = bytes / (per_token * NORMALISATION_SLACK);
-    if min_tokens >= context {
+    let head_len = context.saturating_mul(HEAD_BYTES_PER_TOKEN);
+    if text.len() <= head_len {
+        return Ok(());
+    }
+    let mut cut = head_len;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let head = text[..cut].to_string();
+    let engine = state.engine.clone();
+    let n = tokio::task::spawn_blocking(move || engine.tokenizer().encode(&head, Special::Plain))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
+        .map_err(|e| ApiError::invalid(param, format!("could not tokenize: {e}")))?
+        .len();
+    // One token of slack for a token the cut may have split in two.
+    if n > context {
         return Err(ApiError {
             status: StatusCode::BAD_REQUEST,
             message: format!(
-                "the prompt is {bytes} bytes, at least {min_tokens} tokens; the model's context is \
-                 {context} tokens"
+                "the prompt is {} bytes; its first {cut} bytes alone are {n} tokens, and the \
+                 model's context is {context} tokens",
+                text.len()
             ),
             param: Some(param.into()),
             code: "context_length_exceeded",

@@ -78,7 +78,7 @@ async fn run_tokenize(
         let text = req
             .prompt
             .ok_or_else(|| ApiError::invalid("prompt", "`prompt` or `messages` is required"))?;
-        super::check_prompt_size(state, text.len(), "prompt")?;
+        super::check_prompt_size(state, &text, "prompt").await?;
         let tokenizer = state.engine.tokenizer();
         let bos_text = tokenizer.bos_id().and_then(|b| tokenizer.id_to_token(b));
         let starts_with_bos = bos_text.is_some_and(|b| text.starts_with(&b));
