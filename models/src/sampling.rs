@@ -1,9 +1,16 @@
-//! Turning logits into tokens: greedy, temperature, top-k, top-p, min-p, repetition penalty.
+//! Turning logits into tokens: greedy, temperature, top-k, top-p, min-p, and the logit
+//! processors — repetition, presence and frequency penalties, logit bias.
 //!
 //! The speculative verify loop needs more than a token: it needs the whole target distribution
 //! `p` to run Leviathan-style rejection sampling against a drafter's `q`. [`Sampler::distribution`]
 //! returns exactly the distribution that [`Sampler::sample`] draws from, so plain decoding and
-//! speculative decoding share one definition of "the target's distribution".
+//! speculative decoding share one definition of "the target's distribution". The processors
+//! read the history they are given (the context before the row), so a verify row sees exactly
+//! the history plain decoding would have had at that position, and speculation stays lossless.
+//!
+//! Processor order follows vLLM: repetition penalty, then presence/frequency penalties (over
+//! the *generated* tokens only, as OpenAI and vLLM count them), then logit bias, then
+//! temperature and the filters.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -25,6 +32,13 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// Divide positive logits (multiply negative ones) of tokens already in the context (`1.0`: off).
     pub repetition_penalty: f32,
+    /// Subtracted once from the logit of every token already generated (OpenAI's range -2..=2;
+    /// `0.0`: off).
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated (-2..=2; `0.0`: off).
+    pub frequency_penalty: f32,
+    /// Added to the logits of these token ids (-100..=100 each), as OpenAI's `logit_bias`.
+    pub logit_bias: Vec<(u32, f32)>,
     /// Seed of the random stream; `None` picks one from the OS.
     pub seed: Option<u64>,
 }
@@ -37,6 +51,9 @@ impl Default for SamplingParams {
             top_p: 1.0,
             min_p: 0.0,
             repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
             seed: None,
         }
     }
@@ -46,6 +63,15 @@ impl SamplingParams {
     /// Whether these parameters always pick the argmax.
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0 || self.top_k == Some(1)
+    }
+
+    /// Whether a logit processor (penalty, bias) changes the logits before the choice: then the
+    /// raw argmax of the model is not the answer, even when greedy.
+    pub fn processes_logits(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || !self.logit_bias.is_empty()
     }
 
     /// Checks the ranges of every field.
@@ -70,6 +96,19 @@ impl SamplingParams {
         }
         if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 {
             return bad("repetition_penalty", "must be a finite number > 0");
+        }
+        if !(-2.0..=2.0).contains(&self.presence_penalty) {
+            return bad("presence_penalty", "must be in [-2, 2]");
+        }
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
+            return bad("frequency_penalty", "must be in [-2, 2]");
+        }
+        if self
+            .logit_bias
+            .iter()
+            .any(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return bad("logit_bias", "biases must be in [-100, 100]");
         }
         Ok(())
     }
@@ -113,16 +152,29 @@ impl Distribution {
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
+    /// Length of the prompt at the head of every history: presence and frequency penalties
+    /// count only the tokens after it.
+    prompt_len: usize,
 }
 
 impl Sampler {
-    /// A sampler seeded from `params.seed` (or the OS when it is `None`).
+    /// A sampler seeded from `params.seed` (or the OS when it is `None`), for histories that
+    /// hold no prompt (every token in them was generated).
     pub fn new(params: SamplingParams) -> Self {
+        Sampler::for_prompt(params, 0)
+    }
+
+    /// A sampler whose histories start with a prompt of `prompt_len` tokens.
+    pub fn for_prompt(params: SamplingParams, prompt_len: usize) -> Self {
         let rng = match params.seed {
             Some(seed) => StdRng::seed_from_u64(seed),
             None => StdRng::from_os_rng(),
         };
-        Sampler { params, rng }
+        Sampler {
+            params,
+            rng,
+            prompt_len,
+        }
     }
 
     /// The parameters this sampler follows.
@@ -137,6 +189,15 @@ impl Sampler {
         let mut logits = logits.to_vec();
         if p.repetition_penalty != 1.0 {
             apply_repetition_penalty(&mut logits, history, p.repetition_penalty);
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            let generated = history.get(self.prompt_len..).unwrap_or(&[]);
+            apply_presence_frequency(&mut logits, generated, p);
+        }
+        for &(id, bias) in &p.logit_bias {
+            if let Some(l) = logits.get_mut(id as usize) {
+                *l += bias;
+            }
         }
         if p.is_greedy() {
             return Distribution::OneHot(argmax(&logits));
@@ -212,6 +273,20 @@ fn apply_repetition_penalty(logits: &mut [f32], history: &[u32], penalty: f32) {
             let l = &mut logits[t as usize];
             // As in HF's RepetitionPenaltyLogitsProcessor.
             *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
+        }
+    }
+}
+
+/// `logit -= count * frequency_penalty + (count > 0) * presence_penalty` over the generated
+/// tokens (OpenAI's formula).
+fn apply_presence_frequency(logits: &mut [f32], generated: &[u32], p: &SamplingParams) {
+    let mut counts: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+    for &t in generated {
+        *counts.entry(t).or_default() += 1;
+    }
+    for (t, c) in counts {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l -= c as f32 * p.frequency_penalty + p.presence_penalty;
         }
     }
 }
@@ -334,6 +409,87 @@ mod tests {
             ..params(0.0)
         });
         assert_eq!(s.distribution(&[3.0, 2.0], &[0]), Distribution::OneHot(1));
+    }
+
+    #[test]
+    fn presence_frequency_count_generated_tokens_only() {
+        let p = SamplingParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 1.0,
+            ..params(0.0)
+        };
+        // Token 0 leads by 2.0; generated twice it loses 2 * 1.0 + 0.5 = 2.5.
+        let logits = [3.0, 1.0, 0.5];
+        let s = Sampler::for_prompt(p.clone(), 2);
+        assert_eq!(
+            s.distribution(&logits, &[0, 0]),
+            Distribution::OneHot(0),
+            "prompt only"
+        );
+        assert_eq!(
+            s.distribution(&logits, &[0, 0, 0]),
+            Distribution::OneHot(0),
+            "2.5 - 1.5 > 1"
+        );
+        assert_eq!(
+            s.distribution(&logits, &[9, 9, 0, 0]),
+            Distribution::OneHot(1)
+        );
+        let dense = Sampler::for_prompt(
+            SamplingParams {
+                temperature: 1.0,
+                ..p
+            },
+            0,
+        );
+        let Distribution::Dense(d) = dense.distribution(&logits, &[0]) else {
+            panic!("dense");
+        };
+        let want = log_softmax(&[3.0 - 1.5, 1.0, 0.5]);
+        assert!((d[0].ln() - want[0]).abs() < 1e-5, "{d:?}");
+    }
+
+    #[test]
+    fn logit_bias_moves_the_choice_and_is_range_checked() {
+        let s = Sampler::new(SamplingParams {
+            logit_bias: vec![(2, 10.0), (99, 5.0)],
+            ..params(0.0)
+        });
+        assert_eq!(
+            s.distribution(&[3.0, 2.0, 1.0], &[]),
+            Distribution::OneHot(2)
+        );
+        assert!(s.params().processes_logits());
+        assert!(!params(0.0).processes_logits());
+        for (bad, name) in [
+            (
+                SamplingParams {
+                    presence_penalty: 2.5,
+                    ..params(0.0)
+                },
+                "presence_penalty",
+            ),
+            (
+                SamplingParams {
+                    frequency_penalty: -3.0,
+                    ..params(0.0)
+                },
+                "frequency_penalty",
+            ),
+            (
+                SamplingParams {
+                    logit_bias: vec![(0, 101.0)],
+                    ..params(0.0)
+                },
+                "logit_bias",
+            ),
+        ] {
+            let e = bad.validate().unwrap_err();
+            assert!(
+                matches!(&e, Error::Sampling { name: n, .. } if *n == name),
+                "{e}"
+            );
+        }
     }
 
     #[test]

@@ -168,24 +168,53 @@ impl Tokenizer {
     /// [`Error::Tokenizer`] when the underlying tokenizer fails (it does not for valid UTF-8
     /// with the byte-level models Specula builds).
     pub fn encode(&self, text: &str, special: Special) -> Result<Vec<u32>> {
-        let tok = match special {
-            Special::Parse => &self.inner,
-            Special::Plain => self.plain.get_or_init(|| {
-                let mut plain = self.inner.clone();
-                plain.set_encode_special_tokens(true);
-                plain
-            }),
-        };
-        let enc = tok
-            .encode_fast(text, false)
-            .map_err(|e| Error::Tokenizer(format!("encode failed: {e}")))?;
-        let mut ids = enc.get_ids().to_vec();
+        self.encode_segments(&[(text, special)])
+    }
+
+    /// Encodes text made of segments with their own special-token rule, as one prompt: a chat
+    /// prompt whose template text is [`Special::Parse`]d while the special-token text a user
+    /// wrote inside a message stays [`Special::Plain`]. BOS is handled as in
+    /// [`Tokenizer::encode`], once, for the whole prompt.
+    ///
+    /// # Errors
+    /// As [`Tokenizer::encode`].
+    pub fn encode_segments(&self, segments: &[(&str, Special)]) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        for &(text, special) in segments.iter().filter(|(t, _)| !t.is_empty()) {
+            let tok = match special {
+                Special::Parse => &self.inner,
+                Special::Plain => self.plain.get_or_init(|| {
+                    let mut plain = self.inner.clone();
+                    plain.set_encode_special_tokens(true);
+                    plain
+                }),
+            };
+            let enc = tok
+                .encode_fast(text, false)
+                .map_err(|e| Error::Tokenizer(format!("encode failed: {e}")))?;
+            ids.extend_from_slice(enc.get_ids());
+        }
         if let (true, Some(bos)) = (self.add_bos, self.bos) {
             if ids.first() != Some(&bos) {
                 ids.insert(0, bos);
             }
         }
         Ok(ids)
+    }
+
+    /// Texts of the special (control) tokens that [`Special::Parse`] turns into their ids,
+    /// longest first (so a scan finds `<|im_start|>` before a shorter token it contains).
+    pub fn special_token_texts(&self) -> Vec<String> {
+        let mut texts: Vec<String> = self
+            .inner
+            .get_added_tokens_decoder()
+            .values()
+            .filter(|t| t.special && !t.content.is_empty())
+            .map(|t| t.content.clone())
+            .collect();
+        texts.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
+        texts.dedup();
+        texts
     }
 
     /// Decodes `ids` to text. Nothing is skipped: control tokens come back as their text, and
@@ -409,6 +438,19 @@ pub(crate) mod tests {
         assert!(!plain.contains(&im_start), "{plain:?}");
         assert!(plain.len() > parsed.len());
         assert_eq!(tok.decode(&plain).unwrap(), "<|im_start|>user");
+        assert!(tok
+            .special_token_texts()
+            .iter()
+            .any(|t| t == "<|im_start|>"));
+        let mixed = tok
+            .encode_segments(&[
+                ("<|im_start|>", Special::Parse),
+                ("<|im_end|>", Special::Plain),
+            ])
+            .unwrap();
+        assert_eq!(mixed[0], im_start);
+        assert!(!mixed.contains(&tok.token_to_id("<|im_end|>").unwrap()));
+        assert_eq!(tok.decode(&mixed).unwrap(), "<|im_start|><|im_end|>");
     }
 
     #[test]

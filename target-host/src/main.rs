@@ -146,6 +146,7 @@ fn generate_cmd(args: GenerateArgs) -> Result<()> {
         min_p: args.min_p,
         repetition_penalty: args.repetition_penalty,
         seed: args.seed,
+        ..SamplingParams::default()
     };
     let (proposer, speculation) = args.drafter.start(&loaded)?;
     let slot = ProposerSlot::new(proposer);

@@ -57,6 +57,7 @@ pub fn sampling_params(spec: &SamplingSpec) -> SamplingParams {
         // The wire spec carries no penalty: q is the draft model's own filtered distribution.
         repetition_penalty: 1.0,
         seed: spec.seed,
+        ..SamplingParams::default()
     }
 }
 

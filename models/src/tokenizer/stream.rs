@@ -63,8 +63,10 @@ impl<'t> StreamDecoder<'t> {
         Ok(Some(new))
     }
 
-    /// Returns whatever is still held back (an incomplete character becomes U+FFFD) and
-    /// resets the decoder. `None` when nothing is pending.
+    /// Returns whatever is still held back and resets the decoder. `None` when nothing is
+    /// pending. An incomplete character at the end (generation stopped inside it) is dropped,
+    /// not shown as U+FFFD: the text ends at the last whole character, the same text a stream
+    /// shows.
     ///
     /// # Errors
     /// [`Error::Tokenizer`] when decoding fails (it cannot for ids `step` accepted).
@@ -78,11 +80,9 @@ impl<'t> StreamDecoder<'t> {
         let text = self.tok.decode(&self.ids)?;
         self.ids.clear();
         self.read = 0;
-        Ok(Some(
-            text.strip_prefix(emitted.as_str())
-                .unwrap_or(&text)
-                .to_string(),
-        ))
+        let rest = text.strip_prefix(emitted.as_str()).unwrap_or(&text);
+        let rest = rest.trim_end_matches('\u{FFFD}');
+        Ok((!rest.is_empty()).then(|| rest.to_string()))
     }
 }
 
@@ -122,7 +122,7 @@ mod tests {
     }
 
     #[test]
-    fn flush_returns_an_unfinished_character() {
+    fn flush_drops_an_unfinished_character() {
         let tok = load("smollm2-135m");
         let ids = tok.encode("a🙂", Special::Parse).unwrap();
         let mut dec = tok.stream_decoder();
@@ -132,8 +132,14 @@ mod tests {
             out.extend(dec.step(id).unwrap());
         }
         assert_eq!(out, "a");
-        let rest = dec.flush().unwrap().expect("pending bytes");
-        assert!(rest.contains('\u{FFFD}'), "{rest:?}");
+        assert_eq!(dec.flush().unwrap(), None, "no U+FFFD for the cut emoji");
+        // Held-back whole characters still come out.
+        let mut dec = tok.stream_decoder();
+        for &id in &ids {
+            out.extend(dec.step(id).unwrap());
+        }
+        out.extend(dec.flush().unwrap());
+        assert_eq!(out, "aa🙂");
         assert_eq!(dec.flush().unwrap(), None);
     }
 

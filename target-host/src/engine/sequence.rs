@@ -64,7 +64,8 @@ impl<'t> Sequence<'t> {
     pub fn new(req: GenerationRequest, sink: Box<dyn Sink + 't>, tokenizer: &'t Tokenizer) -> Self {
         let finish = (req.max_tokens == 0).then_some(FinishReason::Length);
         Sequence {
-            sampler: Sampler::new(req.sampling.clone()),
+            // Presence/frequency penalties count generated tokens: the history's tail.
+            sampler: Sampler::for_prompt(req.sampling.clone(), req.prompt_ids.len()),
             context: req.prompt_ids.clone(),
             computed: 0,
             ids: Vec::new(),

@@ -639,7 +639,7 @@ enum Choice {
 
 fn choice(req: &GenerationRequest) -> Choice {
     let s = &req.sampling;
-    match s.is_greedy() && s.repetition_penalty == 1.0 && req.logprobs.is_none() {
+    match s.is_greedy() && !s.processes_logits() && req.logprobs.is_none() {
         true => Choice::Argmax,
         false => Choice::Rows,
     }

@@ -8,20 +8,24 @@
 //!
 //! In-flight requests move to the new drafter at their next round boundary (the verify loop
 //! re-opens their session on it with the whole context), so a swap never changes output. A
-//! drafter that fails to start leaves the current one in place. With `--admin-token` every
-//! admin route needs `Authorization: Bearer TOKEN`; on a non-loopback address without a token
-//! the admin API is refused altogether (403).
+//! drafter that fails to start leaves the current one in place.
+//!
+//! Access: over TCP the admin API is off (403) unless an admin token is configured, and then
+//! every route needs `Authorization: Bearer TOKEN`; on `--admin-socket` (a 0600 Unix socket) the
+//! file mode is the access control. Only registered drafters can be started
+//! ([`DrafterPolicy`]): a path outside the drafter directories is a 403 and spawns nothing.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use axum::extract::{Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::{Deserialize, Serialize};
 
+use super::auth::{credential, unauthorized, DrafterPolicy, Secrets};
 use super::error::{parse_value, ApiError, ApiJson};
 use super::metrics::{DrafterMeter, Metered, Metrics};
 use super::AppState;
@@ -132,8 +136,8 @@ struct Registry {
 
 /// Drafter hot-swap state and the admin API's access rules.
 pub struct Admin {
-    token: Option<String>,
-    loopback: bool,
+    token: Secrets,
+    policy: DrafterPolicy,
     launcher: Launcher,
     registry: Arc<Mutex<Registry>>,
     /// One swap at a time: two concurrent installs must not both think they replaced the other.
@@ -145,11 +149,12 @@ fn lock(m: &Mutex<Registry>) -> std::sync::MutexGuard<'_, Registry> {
 }
 
 impl Admin {
-    /// Admin state for a server bound to a loopback address or not, with `launcher` to start
-    /// drafters. Restart counts are reported to `metrics`.
+    /// Admin state: `token` guards the TCP routes (none configured: they are off), `policy`
+    /// says which drafters may be started, `launcher` starts them. Restart counts are reported
+    /// to `metrics`.
     pub fn new(
-        token: Option<String>,
-        loopback: bool,
+        token: Secrets,
+        policy: DrafterPolicy,
         launcher: Launcher,
         metrics: &Metrics,
     ) -> Admin {
@@ -164,7 +169,7 @@ impl Admin {
         }));
         Admin {
             token,
-            loopback,
+            policy,
             launcher,
             registry,
             swapping: tokio::sync::Mutex::new(()),
@@ -225,46 +230,27 @@ impl Admin {
     }
 }
 
-/// Access rule of every admin route (a `route_layer`).
+/// Access rule of every admin route served over TCP (a `route_layer`): off unless an admin
+/// token is configured, then `Authorization: Bearer TOKEN` (the Unix socket, whose 0600 mode is
+/// its access control, is served without this layer).
 pub async fn guard(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    let admin = &state.admin;
-    let Some(token) = &admin.token else {
-        if admin.loopback {
-            return next.run(req).await;
-        }
+    let token = &state.admin.token;
+    if !token.is_configured() {
         return ApiError::new(
             StatusCode::FORBIDDEN,
             "admin_disabled",
-            "the admin API is disabled on a non-loopback address without --admin-token",
+            "the admin API is off: configure an admin token (--admin-token-file, \
+             SPECULA_ADMIN_TOKEN) or use --admin-socket",
         )
         .into_response();
-    };
-    let given = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    match given {
-        Some(g) if constant_time_eq(g.as_bytes(), token.as_bytes()) => next.run(req).await,
-        _ => {
-            let mut resp = ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                "invalid_admin_token",
-                "the admin API needs `Authorization: Bearer <admin token>`",
-            )
-            .into_response();
-            resp.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                header::HeaderValue::from_static("Bearer"),
-            );
-            resp
-        }
     }
-}
-
-/// Compares secrets without leaking the position of the first difference through timing.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    match credential(req.headers()) {
+        Some(given) if token.accepts(given) => next.run(req).await,
+        _ => unauthorized(
+            "invalid_admin_token",
+            "the admin API needs `Authorization: Bearer <admin token>`",
+        ),
+    }
 }
 
 /// `GET /admin/drafters`.
@@ -293,9 +279,11 @@ pub async fn install(
     if req.path.is_empty() {
         return Err(ApiError::invalid("path", "path must not be empty"));
     }
+    // Before anything is spawned: only registered drafters, never an arbitrary executable.
+    let path = state.admin.policy.check(&req.path)?;
     let _one_at_a_time = state.admin.swapping.lock().await;
     let launch_state = state.clone();
-    let (path, args) = (req.path.clone(), req.args.clone());
+    let args = req.args.clone();
     let launched = tokio::task::spawn_blocking(move || (launch_state.admin.launcher)(&path, &args))
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
@@ -336,17 +324,5 @@ async fn swap_in(state: &AppState, proposer: Option<Box<dyn Proposer>>) {
     .await;
     if let Err(e) = done {
         tracing::error!("shutting the old drafter down panicked: {e}");
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn token_comparison() {
-        assert!(constant_time_eq(b"secret", b"secret"));
-        assert!(!constant_time_eq(b"secret", b"secreT"));
-        assert!(!constant_time_eq(b"secret", b"secret2"));
     }
 }

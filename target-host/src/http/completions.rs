@@ -8,9 +8,10 @@ use axum::response::{IntoResponse, Response};
 
 use super::error::{parse_value, ApiError, ApiJson};
 use super::openai_types::{
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptField, Usage,
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage,
+    COMPLETION_FIELDS,
 };
-use super::request::{check_common, check_top_logprobs};
+use super::request::{check_common, check_fields, check_top_logprobs, COMMON_FIELDS};
 use super::stream::{collect, finish_reason, sse, Chunks, TokenOut, Tracker};
 use super::{encode, new_id, respond, unix_now, AppState};
 use crate::generation::Generation;
@@ -29,30 +30,36 @@ pub async fn handler(
 
 async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<Response, ApiError> {
     let ApiJson(body) = body?;
+    check_fields(&body, &[COMMON_FIELDS, COMPLETION_FIELDS])?;
     let req: CompletionRequest = parse_value(&body)?;
     let mut checked = check_common(state, &parse_value(&body)?)?;
     checked.default_max_tokens = Some(DEFAULT_MAX_TOKENS);
     if req.echo {
         return Err(ApiError::invalid("echo", "echo = true is not supported"));
     }
-    let prompt = match req.prompt {
-        PromptField::One(p) => p,
-        PromptField::Many(mut v) if v.len() == 1 => v.remove(0),
-        PromptField::Many(v) => {
-            return Err(ApiError::invalid(
-                "prompt",
-                format!(
-                    "a batch of {} prompts is not supported: send one prompt",
-                    v.len()
-                ),
-            ))
-        }
-    };
+    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::invalid(
+            "suffix",
+            "suffix (insertion) is not supported",
+        ));
+    }
+    if req.best_of.is_some_and(|b| b != 1) {
+        return Err(ApiError::invalid(
+            "best_of",
+            "only best_of = 1 is supported",
+        ));
+    }
     let logprobs = req
         .logprobs
         .map(|n| check_top_logprobs("logprobs", n))
         .transpose()?;
-    let prompt_ids = encode(state, &prompt, "prompt").await?;
+    let prompt_ids = match prompt_of(&req.prompt, state.engine.tokenizer().vocab_size())? {
+        Prompt::Text(text) => {
+            super::check_prompt_size(state, &text, "prompt").await?;
+            encode(state, &text, "prompt").await?
+        }
+        Prompt::Ids(ids) => ids,
+    };
     let (gen_req, plan) = checked.into_request(state, prompt_ids, logprobs, "prompt")?;
     let rx = match super::admission::submit(state, "completions", gen_req) {
         Ok(rx) => rx,
@@ -86,6 +93,68 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
         usage: Some(Usage::from_stats(&generation.stats)),
     };
     Ok(axum::Json(response).into_response())
+}
+
+/// A completions prompt, read.
+#[derive(Debug, PartialEq)]
+enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+/// Reads `prompt` as OpenAI and vLLM take it: a string, a list of token ids, or a batch (a list)
+/// of one of either. Larger batches are refused: `n`-way batching is not served.
+///
+/// # Errors
+/// 400 naming `prompt` with what is wrong.
+fn prompt_of(v: &serde_json::Value, vocab: usize) -> Result<Prompt, ApiError> {
+    use serde_json::Value as J;
+    let bad = |m: String| ApiError::invalid("prompt", m);
+    let ids = |a: &[J]| -> Result<Vec<u32>, ApiError> {
+        a.iter()
+            .map(|x| {
+                x.as_u64()
+                    .filter(|&id| (id as usize) < vocab)
+                    .map(|id| id as u32)
+                    .ok_or_else(|| {
+                        bad(format!("token ids must be integers in 0..{vocab}, got {x}"))
+                    })
+            })
+            .collect()
+    };
+    match v {
+        J::String(s) => Ok(Prompt::Text(s.clone())),
+        J::Array(a) if a.is_empty() => Err(bad("the prompt is empty".into())),
+        J::Array(a) if a.iter().all(J::is_number) => Ok(Prompt::Ids(ids(a)?)),
+        J::Array(a) if a.len() > 1 => Err(bad(format!(
+            "a batch of {} prompts is not supported: send one prompt",
+            a.len()
+        ))),
+        J::Array(a) => match &a[0] {
+            J::String(s) => Ok(Prompt::Text(s.clone())),
+            J::Array(inner) if !inner.is_empty() && inner.iter().all(J::is_number) => {
+                Ok(Prompt::Ids(ids(inner)?))
+            }
+            other => Err(bad(format!(
+                "a prompt in a list must be a string or a list of token ids, got {other}"
+            ))),
+        },
+        other => Err(bad(format!(
+            "prompt must be a string, a list of token ids, or a list of one of either; got {}",
+            kind(other)
+        ))),
+    }
+}
+
+fn kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "a list",
+        serde_json::Value::Object(_) => "an object",
+    }
 }
 
 /// The legacy `logprobs` object for `tokens`, whose text starts at byte `offset`.
@@ -164,9 +233,12 @@ impl Chunks for CompletionChunks {
     }
 
     fn finish(&mut self, generation: &Generation) -> serde_json::Value {
+        // Text the tokens held back (a stop-string prefix that never completed) comes with the
+        // last chunk, so a stream shows exactly the non-streamed text.
+        let tail = generation.text.get(self.offset..).unwrap_or_default();
         let choice = CompletionChoice {
             index: 0,
-            text: String::new(),
+            text: tail.to_string(),
             logprobs: None,
             finish_reason: Some(finish_reason(generation.finish_reason)),
         };
@@ -175,5 +247,36 @@ impl Chunks for CompletionChunks {
 
     fn usage(&mut self, usage: Usage) -> serde_json::Value {
         self.chunk(Vec::new(), Some(usage))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn prompts_as_openai_and_vllm_take_them() {
+        let ok = |v| prompt_of(&v, 100).unwrap();
+        assert_eq!(ok(json!("hi")), Prompt::Text("hi".into()));
+        assert_eq!(ok(json!(["hi"])), Prompt::Text("hi".into()));
+        assert_eq!(ok(json!([1, 2, 3])), Prompt::Ids(vec![1, 2, 3]));
+        assert_eq!(ok(json!([[4, 5]])), Prompt::Ids(vec![4, 5]));
+        for bad in [
+            json!([]),
+            json!(["a", "b"]),
+            json!([[1], [2]]),
+            json!([100]),
+            json!([-1]),
+            json!([1.5]),
+            json!(7),
+            json!(null),
+            json!([{}]),
+            json!([[]]),
+        ] {
+            let e = prompt_of(&bad, 100).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("prompt"), "{bad}");
+            assert!(!e.message.contains("untagged"), "{}", e.message);
+        }
     }
 }

@@ -88,15 +88,41 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// A JSON body whose rejections are [`ApiError`]s: 400 for malformed JSON, 413 over the body
-/// limit. Fields are read from it with [`parse_value`], which names a bad field.
+/// A JSON body whose rejections are [`ApiError`]s: 415 unless it is sent as
+/// `application/json`, 400 for malformed JSON, 413 over the body limit. Fields are read from it
+/// with [`parse_value`], which names a bad field.
+///
+/// `application/json` is required (not merely accepted) because a web page can post
+/// `text/plain`, form types or a typeless body to any server without a CORS preflight.
 pub struct ApiJson(pub serde_json::Value);
+
+/// Whether a `Content-Type` value is `application/json` (any parameters, any case).
+pub fn is_json_content_type(value: &str) -> bool {
+    value
+        .split(';')
+        .next()
+        .is_some_and(|m| m.trim().eq_ignore_ascii_case("application/json"))
+}
 
 impl<S: Send + Sync> FromRequest<S> for ApiJson {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        // Bytes (not axum's Json) so a missing content-type is accepted, as OpenAI does.
+        let content_type = req
+            .headers()
+            .get(axum::http::header::CONTENT_TYPE)
+            .map(|v| v.to_str().unwrap_or("(not text)").to_string());
+        if !content_type.as_deref().is_some_and(is_json_content_type) {
+            return Err(ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                format!(
+                    "the request body must be sent with `Content-Type: application/json` (got {})",
+                    content_type.as_deref().unwrap_or("none")
+                ),
+            ));
+        }
+        // Bytes, not axum's Json: its rejections are not OpenAI error bodies.
         let bytes = Bytes::from_request(req, state).await.map_err(|rej| {
             let status = rej.status();
             let code = if status == StatusCode::PAYLOAD_TOO_LARGE {
@@ -153,6 +179,26 @@ mod tests {
     struct T {
         #[allow(dead_code)] // read by serde only: the test is about its type
         max_tokens: Option<i64>,
+    }
+
+    #[test]
+    fn only_application_json_is_a_json_body() {
+        for ok in [
+            "application/json",
+            "Application/JSON; charset=utf-8",
+            " application/json ;x=y",
+        ] {
+            assert!(is_json_content_type(ok), "{ok}");
+        }
+        for bad in [
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "multipart/form-data",
+            "",
+            "application/jsonx",
+        ] {
+            assert!(!is_json_content_type(bad), "{bad}");
+        }
     }
 
     #[test]

@@ -1,26 +1,58 @@
-//! `GET /v1/models` and `GET /health`.
+//! `GET /v1/models`, `GET /v1/models/{id}` and `GET /health`.
 
 use std::sync::Arc;
 
-use axum::extract::State;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
 use axum::Json;
 
+use super::error::ApiError;
 use super::openai_types::{ModelCard, ModelList};
 use super::AppState;
+
+fn card(state: &AppState) -> ModelCard {
+    ModelCard {
+        id: state.model_name.clone(),
+        object: "model",
+        created: state.started,
+        owned_by: "specula",
+        max_model_len: state.engine.model().context_len(),
+    }
+}
+
+/// 404 `model_not_found` for a model other than the served one.
+pub fn not_found(state: &AppState, model: &str) -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: format!(
+            "the model `{model}` does not exist; this server serves `{}`",
+            state.model_name
+        ),
+        param: Some("model".into()),
+        code: "model_not_found",
+    }
+}
 
 /// `GET /v1/models`: the one served model.
 pub async fn list(State(state): State<Arc<AppState>>) -> Json<ModelList> {
     state.metrics.request("models", 200);
     Json(ModelList {
         object: "list",
-        data: vec![ModelCard {
-            id: state.model_name.clone(),
-            object: "model",
-            created: state.started,
-            owned_by: "specula",
-            max_model_len: state.engine.model().context_len(),
-        }],
+        data: vec![card(&state)],
     })
+}
+
+/// `GET /v1/models/{id}`: the served model, or 404.
+pub async fn retrieve(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Json<ModelCard>, ApiError> {
+    if id != state.model_name {
+        state.metrics.request("models", 404);
+        return Err(not_found(&state, &id));
+    }
+    state.metrics.request("models", 200);
+    Ok(Json(card(&state)))
 }
 
 /// `GET /health`: 200 with the queue depth and whether a drafter is installed.

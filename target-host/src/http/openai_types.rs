@@ -2,9 +2,12 @@
 //! bodies shaped exactly as OpenAI's (`id`, `object`, `created`, `model`, `choices`, `usage`).
 //!
 //! Reference: <https://platform.openai.com/docs/api-reference/chat> and
-//! <https://platform.openai.com/docs/api-reference/completions>. Unknown request fields are
-//! ignored (clients send `user`, `presence_penalty`, ... freely); fields we read are typed, so a
-//! wrong type is a 400 that names the field.
+//! <https://platform.openai.com/docs/api-reference/completions>. An unknown request field is a
+//! 400 naming it (`request::check_fields`); fields we read are typed, so a wrong type is a 400
+//! that names the field.
+//!
+//! Extensions shared with vLLM: `top_k`, `min_p`, `repetition_penalty`, and on chat
+//! `chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`.
 //!
 //! Specula extensions (both optional, ignored by OpenAI clients):
 //! - request `speculative: {"enabled": bool, "num_draft_tokens": int, "adaptive": bool}`
@@ -39,6 +42,7 @@ impl StopField {
 
 /// `stream_options`.
 #[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     /// Send a last chunk with `usage` (and empty `choices`) before `[DONE]`.
     #[serde(default)]
@@ -47,6 +51,7 @@ pub struct StreamOptions {
 
 /// Specula extension: per-request speculation settings.
 #[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SpeculativeField {
     /// `false` decodes without a drafter; `true` (default) drafts when a drafter is installed.
     pub enabled: Option<bool>,
@@ -81,6 +86,14 @@ pub struct CommonParams {
     pub min_p: Option<f32>,
     /// Repetition penalty (1 = off).
     pub repetition_penalty: Option<f32>,
+    /// OpenAI's presence penalty (-2..=2).
+    pub presence_penalty: Option<f32>,
+    /// OpenAI's frequency penalty (-2..=2).
+    pub frequency_penalty: Option<f32>,
+    /// `{"token id": bias}` with biases in -100..=100.
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    /// End-user id (logged).
+    pub user: Option<String>,
     /// Random seed.
     pub seed: Option<u64>,
     /// Stop strings.
@@ -99,33 +112,71 @@ pub struct CommonParams {
 /// `POST /v1/completions` body.
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionRequest {
-    /// The prompt text.
-    pub prompt: PromptField,
+    /// The prompt: text, token ids, or a batch of one of either (read by
+    /// `completions::prompt_of`, which names what is wrong with a bad one).
+    pub prompt: serde_json::Value,
     /// Number of top alternatives to report per token (0..=20).
     pub logprobs: Option<i64>,
     /// Echo the prompt before the completion (only `false` is supported).
     #[serde(default)]
     pub echo: bool,
+    /// Text after the completion (insertion); only absent or empty is supported.
+    pub suffix: Option<String>,
+    /// Candidates to rank server-side; only 1 is supported.
+    pub best_of: Option<i64>,
 }
 
-/// `prompt`: a string, or a list holding exactly one string.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
-pub enum PromptField {
-    /// One prompt.
-    One(String),
-    /// A batch of prompts (only a batch of one is supported).
-    Many(Vec<String>),
-}
+/// Fields of `POST /v1/completions` besides [`COMMON_FIELDS`](super::request::COMMON_FIELDS).
+pub const COMPLETION_FIELDS: &[&str] = &["prompt", "logprobs", "echo", "suffix", "best_of"];
+
+/// Fields of `POST /v1/chat/completions` besides the common ones.
+pub const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "logprobs",
+    "top_logprobs",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+];
+
+/// Fields of one chat message.
+pub const MESSAGE_FIELDS: &[&str] = &["role", "content", "name", "tool_calls", "tool_call_id"];
 
 /// One chat message as clients send it.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatMessageIn {
-    /// `system`, `user`, `assistant`, ...
+    /// `system`, `developer` (read as `system`), `user`, `assistant` or `tool`.
     pub role: String,
     /// The text, or a list of content parts.
     #[serde(default)]
     pub content: Option<MessageContent>,
+    /// A participant's name.
+    pub name: Option<String>,
+    /// An assistant's earlier tool calls.
+    pub tool_calls: Option<Vec<ToolCallIn>>,
+    /// The call a `tool` message answers.
+    pub tool_call_id: Option<String>,
+}
+
+/// A tool call in an assistant message, as OpenAI sends it.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct ToolCallIn {
+    /// Call id.
+    pub id: Option<String>,
+    /// Always `function`.
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+    /// The function and its arguments.
+    pub function: FunctionCallIn,
+}
+
+/// The function of a tool call.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct FunctionCallIn {
+    /// Function name.
+    pub name: String,
+    /// Arguments, a JSON object encoded as a string.
+    pub arguments: String,
 }
 
 /// Message content: a string or `[{"type": "text", "text": ...}]` parts.
@@ -158,6 +209,13 @@ pub struct ChatRequest {
     pub logprobs: bool,
     /// Alternatives per token (0..=20); needs `logprobs: true`.
     pub top_logprobs: Option<i64>,
+    /// Extra variables for the chat template (vLLM's extension).
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// End the prompt with the assistant header (default `true`).
+    pub add_generation_prompt: Option<bool>,
+    /// Continue the last (assistant) message instead of starting a new one.
+    #[serde(default)]
+    pub continue_final_message: bool,
 }
 
 /// Speculation counters of one request (Specula extension of `usage`).
@@ -404,7 +462,7 @@ mod tests {
     fn chat_and_common_fields_read_from_one_body() {
         let body = r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}],
                 "max_tokens": 5, "stream": true, "logprobs": true, "top_logprobs": 2,
-                "speculative": {"enabled": false}, "user": "ignored"}"#;
+                "speculative": {"enabled": false}, "user": "someone"}"#;
         let req: ChatRequest = serde_json::from_str(body).unwrap();
         let common: CommonParams = serde_json::from_str(body).unwrap();
         assert_eq!(common.max_tokens, Some(5));

@@ -1,5 +1,6 @@
 //! Checking an API request and turning it into a [`GenerationRequest`]: every field the
-//! engine would reject, or silently misread, is answered with a 400 naming the field.
+//! engine would reject, or silently misread, is answered with a 400 naming the field, and so
+//! is every field this server does not know ([`check_fields`]): nothing is silently ignored.
 
 use axum::http::StatusCode;
 use specula_models::sampling::SamplingParams;
@@ -14,6 +15,54 @@ pub const MAX_TOP_LOGPROBS: i64 = 20;
 
 /// Most stop strings per request (OpenAI allows 4; more is cheap for us but unbounded is not).
 const MAX_STOPS: usize = 16;
+
+/// Most `logit_bias` entries (OpenAI allows 300).
+const MAX_LOGIT_BIAS: usize = 300;
+
+/// Fields both generation endpoints read ([`CommonParams`]). `user` is an end-user id that
+/// is written to the request log.
+pub const COMMON_FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "speculative",
+    "user",
+];
+
+/// Answers 400 for the first top-level field of `body` not in any of `known`.
+///
+/// # Errors
+/// 400 `unknown_field` naming it.
+pub fn check_fields(body: &serde_json::Value, known: &[&[&str]]) -> Result<(), ApiError> {
+    let Some(obj) = body.as_object() else {
+        return Ok(());
+    };
+    match obj
+        .keys()
+        .find(|k| !known.iter().any(|set| set.contains(&k.as_str())))
+    {
+        None => Ok(()),
+        Some(k) => Err(ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: format!("unsupported request field `{k}`: this server does not implement it"),
+            param: Some(k.clone()),
+            code: "unknown_field",
+        }),
+    }
+}
 
 /// What generation needs besides the prompt, checked.
 pub struct Checked {
@@ -42,15 +91,7 @@ pub struct Checked {
 pub fn check_common(state: &AppState, p: &CommonParams) -> Result<Checked, ApiError> {
     if let Some(model) = &p.model {
         if *model != state.model_name {
-            return Err(ApiError {
-                status: StatusCode::NOT_FOUND,
-                message: format!(
-                    "the model `{model}` does not exist; this server serves `{}`",
-                    state.model_name
-                ),
-                param: Some("model".into()),
-                code: "model_not_found",
-            });
+            return Err(super::models::not_found(state, model));
         }
     }
     if let Some(n) = p.n {
@@ -98,11 +139,20 @@ pub fn check_common(state: &AppState, p: &CommonParams) -> Result<Checked, ApiEr
         top_p: p.top_p.unwrap_or(1.0),
         min_p: p.min_p.unwrap_or(0.0),
         repetition_penalty: p.repetition_penalty.unwrap_or(1.0),
+        presence_penalty: p.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: p.frequency_penalty.unwrap_or(0.0),
+        logit_bias: logit_bias(state, p)?,
         seed: p.seed,
     };
     if let Err(e) = sampling.validate() {
-        let param = sampling_param(&e.to_string());
+        let param = match &e {
+            specula_models::Error::Sampling { name, .. } => *name,
+            _ => "temperature",
+        };
         return Err(ApiError::invalid(param, e.to_string()));
+    }
+    if let Some(user) = &p.user {
+        tracing::debug!(%user, "request");
     }
     let stop = p.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
     if stop.len() > MAX_STOPS {
@@ -162,12 +212,33 @@ fn speculation(state: &AppState, p: &CommonParams) -> Result<Speculation, ApiErr
     })
 }
 
-/// The field a sampling validation message is about.
-fn sampling_param(message: &str) -> &'static str {
-    ["temperature", "top_p", "min_p", "repetition_penalty"]
-        .into_iter()
-        .find(|p| message.contains(p))
-        .unwrap_or("temperature")
+/// `logit_bias` (`{"token id": bias}`) as (id, bias) pairs, ids checked against the vocabulary.
+fn logit_bias(state: &AppState, p: &CommonParams) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(map) = &p.logit_bias else {
+        return Ok(Vec::new());
+    };
+    if map.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!("at most {MAX_LOGIT_BIAS} entries, got {}", map.len()),
+        ));
+    }
+    let vocab = state.engine.model().config().vocab_size;
+    let mut out = Vec::with_capacity(map.len());
+    for (k, &bias) in map {
+        let id = k
+            .parse::<u32>()
+            .ok()
+            .filter(|&id| (id as usize) < vocab)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "logit_bias",
+                    format!("logit_bias keys must be token ids below {vocab}, got {k:?}"),
+                )
+            })?;
+        out.push((id, bias));
+    }
+    Ok(out)
 }
 
 /// Checks a `top_logprobs`-style count.
