@@ -124,8 +124,7 @@ impl Backbone {
             hidden_norm: t.norm("hidden_norm", h, eps)?,
             layers,
             norm: t.norm("norm", h, eps)?,
-            rope: Rope::new(hd, max_pos, c.rope_theta, RopeStyle::HalfSplit, device)
-                .map_err(err)?,
+            rope: Rope::new(hd, max_pos, c.rope_theta, RopeStyle::HalfSplit).map_err(err)?,
             num_heads: c.num_heads,
             num_kv_heads: c.num_kv_heads,
             head_dim: hd,
@@ -161,10 +160,7 @@ impl Backbone {
                 &layer.k_proj.forward(&h_ctx).map_err(err)?,
                 self.num_kv_heads,
             )?;
-            let k = self
-                .rope
-                .apply(&layer_norm_heads(&layer.k_norm, &k)?, pos)
-                .map_err(err)?;
+            let k = self.rope_heads(&layer_norm_heads(&layer.k_norm, &k)?, pos)?;
             // [kv_heads, rows, d] -> [rows, kv_heads * d]
             let k = k.transpose(0, 1).map_err(err)?.flatten_all().map_err(err)?;
             let v = layer
@@ -178,6 +174,23 @@ impl Backbone {
         }
         context.rows += rows;
         Ok(())
+    }
+
+    /// Rotates `[heads, rows, d]`, row `r` at position `pos + r` (the runtime's [`Rope`] works
+    /// in place on host rows laid out `[rows][heads][d]`).
+    fn rope_heads(&self, xs: &Tensor, pos: usize) -> Result<Tensor, Error> {
+        let (heads, rows, d) = xs.dims3().map_err(err)?;
+        let mut data: Vec<f32> = xs
+            .transpose(0, 1)
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1())
+            .map_err(err)?;
+        let positions: Vec<usize> = (pos..pos + rows).collect();
+        self.rope.apply(&mut data, heads, &positions).map_err(err)?;
+        Tensor::from_vec(data, (rows, heads, d), xs.device())
+            .and_then(|t| t.transpose(0, 1))
+            .and_then(|t| t.contiguous())
+            .map_err(err)
     }
 
     /// `[rows, heads × d]` → `[heads, rows, d]` (contiguous).
@@ -250,15 +263,14 @@ impl Backbone {
         let (b, d) = (q.dims2().map_err(err)?.0, self.head_dim);
         let (nh, kvh) = (self.num_heads, self.num_kv_heads);
         let groups = nh / kvh;
-        let q = self.rope.apply(
+        let q = self.rope_heads(
             &layer_norm_heads(&layer.q_norm, &self.heads(q, nh)?)?,
             ask.pos,
-        );
-        let kb = self.rope.apply(
+        )?;
+        let kb = self.rope_heads(
             &layer_norm_heads(&layer.k_norm, &self.heads(k, kvh)?)?,
             ask.pos,
-        );
-        let (q, kb) = (q.map_err(err)?, kb.map_err(err)?);
+        )?;
         let vb = self.heads(v, kvh)?;
         let n = ask.context.rows;
         let device = q.device();
