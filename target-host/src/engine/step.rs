@@ -334,8 +334,15 @@ impl<'a> Core<'a> {
         if asks.is_empty() {
             return 0.0;
         }
-        let planned: usize = parts.iter().map(|p| self.planned_rows(p)).sum();
-        let deadline = self.deadline(planned);
+        // The step this draft feeds, without its drafts: what a plain step would cost.
+        let plain: usize = parts
+            .iter()
+            .map(|p| match &p.kind {
+                PartKind::Decode { .. } => 1,
+                PartKind::Prefill { chunk } => *chunk,
+            })
+            .sum();
+        let deadline = self.deadline(plain);
         let vocab = self.target.model().config().vocab_size;
         let started = Instant::now();
         let drafts = {
@@ -370,13 +377,6 @@ impl<'a> Core<'a> {
             self.config.draft_deadline_cap.as_secs_f64() * 1e3,
         );
         Duration::from_secs_f64(ms / 1e3)
-    }
-
-    fn planned_rows(&self, p: &Part) -> usize {
-        match &p.kind {
-            PartKind::Decode { asked, .. } => 1 + asked,
-            PartKind::Prefill { chunk } => *chunk,
-        }
     }
 
     fn rows(&self, p: &Part) -> Rows {
