@@ -7,6 +7,7 @@ mod chaos;
 mod drafters;
 mod generate;
 mod golden;
+mod law;
 mod server;
 mod spec;
 mod tokenizer;

@@ -1,9 +1,11 @@
-//! Forward-pass timing of a model: decode tokens/s and the cost of a k-token chunk relative to
-//! a single-token step (what speculative verification pays per draft length).
+//! Forward-pass timing of a model: prefill tokens/s at several prompt lengths, decode tokens/s,
+//! and the cost of a k-token chunk relative to a single-token step (what speculative
+//! verification pays per draft length), on the SIMD path it names (`SPECULA_ISA` forces one).
 //!
 //! ```text
 //! cargo run --release -p specula-models --example bench_forward -- \
-//!     --model models/cache/smollm2-135m.gguf --dtype native
+//!     --model models/cache/smollm2-135m.gguf --dtype native --prefill 128,512,2048
+//! SPECULA_ISA=avx2 target/release/examples/bench_forward --model ...   # another path
 //! ```
 
 use std::path::PathBuf;
@@ -11,6 +13,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Parser;
+use specula_models::layers::simd::Isa;
 use specula_models::{load_model, ForwardRequest, LoadOptions, Model, WeightDType};
 
 #[derive(Parser)]
@@ -21,9 +24,16 @@ struct Args {
     /// native | f32 | f16 | bf16
     #[arg(long, default_value = "native")]
     dtype: String,
-    /// Context length before timing.
+    /// Context length before timing decode and chunks.
     #[arg(long, default_value_t = 256)]
     context: usize,
+    /// Prompt lengths whose prefill is timed (median of `--prefill-runs`, in the model's
+    /// prefill chunks); empty to skip.
+    #[arg(long, value_delimiter = ',', default_value = "")]
+    prefill: Vec<usize>,
+    /// Runs per prefill length.
+    #[arg(long, default_value_t = 3)]
+    prefill_runs: usize,
     /// Tokens generated per decode run.
     #[arg(long, default_value_t = 64)]
     decode: usize,
@@ -60,7 +70,33 @@ fn main() -> anyhow::Result<()> {
         args.model.display(),
         t.elapsed().as_secs_f64()
     );
+    println!(
+        "simd path: {} (of {}; threads {})",
+        Isa::selected()?,
+        Isa::available()
+            .iter()
+            .map(|i| i.name())
+            .collect::<Vec<_>>()
+            .join(", "),
+        rayon::current_num_threads()
+    );
     let vocab = model.config().vocab_size;
+    for &n in &args.prefill {
+        let prompt = tokens(n, vocab);
+        let mut secs = Vec::new();
+        for _ in 0..args.prefill_runs.max(1) {
+            let mut cache = model.new_cache();
+            let t = Instant::now();
+            model.prefill(&prompt, &mut cache, &ForwardRequest::default())?;
+            secs.push(t.elapsed().as_secs_f64());
+        }
+        let s = median(secs);
+        println!(
+            "prefill {n:>5} tokens: median {s:.3}s ({:.1} tok/s, {} runs)",
+            n as f64 / s,
+            args.prefill_runs.max(1)
+        );
+    }
     let prompt = tokens(args.context, vocab);
     let mut cache = model.new_cache();
     let t = Instant::now();

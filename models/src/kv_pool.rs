@@ -617,7 +617,7 @@ impl KvPool {
         } else if self.meta.len() < self.capacity {
             // Grow the arena geometrically; block ids stay valid (they are offsets).
             let old = self.meta.len();
-            let new = (old * 2).max(16).min(self.capacity);
+            let new = (old * 2).max(4).min(self.capacity);
             self.arena.resize(new * self.block_floats, 0.0);
             self.meta.resize(new, BlockMeta::default());
             self.free.extend((old as BlockId + 1..new as BlockId).rev());

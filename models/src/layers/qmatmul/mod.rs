@@ -1,18 +1,24 @@
-//! Quantized matmul `y = x W^T` for the GGUF block types of the models we serve (`Q4_1`,
-//! `Q5_0`, `Q8_0`, `Q4_K`, `Q6_K`), built so that a k-token verify chunk costs little more
-//! than one decode step *and* gives each row bit-identical results to that step.
+//! Quantized matmul `y = x W^T` for the GGUF block types of the models we serve (`Q4_0`,
+//! `Q4_1`, `Q5_0`, `Q8_0`, `Q4_K`, `Q6_K`), built so that a k-token verify chunk costs little
+//! more than one decode step *and* every row is bit-identical whatever the number of rows in
+//! the call: one decode row, a verify window, a 512-row prefill chunk, rows of several
+//! sequences.
 //!
-//! Each weight row is unpacked once per call into a common 32-element form ([`unpack`]) and
-//! dotted with every activation row ([`dot`]); activations are quantized to 8 bits once per
-//! call (ggml's `Q8_1`, one scale per 32 values). A decode step (one row) skips the buffer:
-//! [`fused`] unpacks each block in registers and dots it at once, with the same arithmetic. A row's arithmetic never depends on how many
-//! rows share the call, so decode (1 row) and verify (k rows) agree exactly:
+//! Why a row's bits cannot depend on the others: activations are quantized to 8 bits per row
+//! (ggml's `Q8_1`, one scale per 32 values, each row on its own); each weight row is unpacked
+//! into a common 32-element form ([`unpack`]) and dotted with each activation row ([`dot`]),
+//! whose integer lane sums are exact and whose f32 operations run in one fixed order per
+//! output, whichever tile or group of rows the row lands in. A decode step (one row) skips
+//! the buffer: [`fused`] unpacks each block in registers and dots it at once, with the same
+//! arithmetic (tested bit for bit); so do verify windows of up to `fused::max_rows` rows,
+//! unpacking each block once in registers for all of them.
 //!
 //! ```text
 //!  W  [n, k] raw GGUF blocks               X  [m, k] f32 -> m rows of k/32 (u8 q[32], d, s)
-//!  for each weight row j (rayon, ROWS_PER_TASK per task):
-//!    unpack W[j] -> k/32 Blocks (i8 q[32], scales, min)    (once per call, in L1)
-//!    for each activation row r:  y[r, j] = dot(Blocks, X[r])   (same code for every r)
+//!  for each task of ROWS_PER_TASK weight rows (rayon):
+//!    unpack those rows -> k/32 Blocks each (i8 q[32], scales, min)   (once per call)
+//!    for each tile of ACT_TILE activation rows (kept in L1 across the task's rows):
+//!      for each weight row j:  y[r, j] = dot(Blocks_j, X[r])     (same code for every r)
 //! ```
 //!
 //! Reference: ggml's `vec_dot_q*_q8_*` (`ggml-cpu/arch/x86/quants.c`); the per-lane integer
@@ -24,27 +30,25 @@ mod fused;
 mod unpack;
 
 use std::cell::RefCell;
-use std::sync::OnceLock;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use dot::{ActRow, Isa};
+use crate::layers::simd::{Isa, Level};
+use dot::ActRow;
 use unpack::{Block, QK};
 
 /// Weight rows per rayon task: enough work to amortise scheduling.
 const ROWS_PER_TASK: usize = 16;
 
+/// Activation rows dotted with a task's unpacked weight rows before the next ones.
+const ACT_TILE: usize = 8;
+
 /// Whether [`matmul`] handles weights of this type.
 pub fn supports(dtype: GgmlDType) -> bool {
     unpack::supports(dtype)
-}
-
-fn isa() -> Isa {
-    static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(Isa::detect)
 }
 
 /// Activation rows quantized to 8 bits per 32 values (see [`ActRow`]).
@@ -57,10 +61,10 @@ struct Acts {
 
 impl Acts {
     /// Quantizes `xs` (`rows * k` values, row-major); each row independently of the others.
-    fn quantize(xs: &[f32], k: usize) -> Acts {
+    fn quantize(isa: Isa, xs: &[f32], k: usize) -> Acts {
         #[cfg(target_arch = "x86_64")]
-        if isa() != Isa::Scalar {
-            // SAFETY: every non-scalar `Isa` implies AVX2 and FMA.
+        if isa.level() != Level::Scalar {
+            // SAFETY: every non-scalar `Isa` token was made after checking AVX2 and FMA.
             return unsafe { Self::quantize_avx2(xs, k) };
         }
         Self::quantize_body(xs, k)
@@ -111,7 +115,7 @@ impl Acts {
 }
 
 thread_local! {
-    /// One unpacked weight row per worker thread, reused across calls.
+    /// A task's unpacked weight rows, per worker thread, reused across calls.
     static UNPACKED: RefCell<Vec<Block>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -128,6 +132,10 @@ struct Operands<'a> {
 
 /// The products of weight rows `j0..j0 + out.len() / m` with all activation rows:
 /// `out[(j - j0) * m + r] = y[r, j]`.
+///
+/// The task's weight rows are unpacked once into the buffer; activation rows then go by in
+/// tiles of [`ACT_TILE`], each tile dotted with every unpacked row while it is in L1 (a
+/// 512-row prefill chunk would otherwise stream all activations once per weight row).
 #[inline(always)]
 fn rows_task(
     ops: Operands,
@@ -143,18 +151,25 @@ fn rows_task(
         acts,
     } = ops;
     let rows = acts.rows();
+    let m = rows.len();
+    let kb = acts.k / QK;
+    let n_rows = out.len() / m;
     let has_min = unpack::has_min(dtype);
     UNPACKED.with(|buf| {
         let mut buf = buf.borrow_mut();
-        buf.resize(acts.k / QK, Block::default());
-        for (jj, ys) in out.chunks_exact_mut(rows.len()).enumerate() {
+        buf.resize(n_rows * kb, Block::default());
+        for (jj, blocks) in buf.chunks_exact_mut(kb).enumerate() {
             let j = j0 + jj;
-            unpack_row(
-                dtype,
-                &weights[j * row_bytes..(j + 1) * row_bytes],
-                &mut buf,
-            );
-            isa.dot_rows(&buf, has_min, &rows, ys);
+            unpack_row(dtype, &weights[j * row_bytes..(j + 1) * row_bytes], blocks);
+        }
+        let mut ys = [0f32; ACT_TILE];
+        for (t, tile) in rows.chunks(ACT_TILE).enumerate() {
+            let r0 = t * ACT_TILE;
+            for (jj, blocks) in buf.chunks_exact(kb).enumerate() {
+                let ys = &mut ys[..tile.len()];
+                dot::dot_rows(isa, blocks, has_min, tile, ys);
+                out[jj * m + r0..jj * m + r0 + tile.len()].copy_from_slice(ys);
+            }
         }
     })
 }
@@ -173,11 +188,11 @@ unsafe fn rows_task_avx2(ops: Operands, j0: usize, out: &mut [f32]) {
 }
 
 /// `xs` `[rows, k]` f32 times `w^T` (`w`: `[n, k]` of a type [`supports`] accepts) →
-/// `[rows, n]` f32.
+/// `[rows, n]` f32, on the SIMD path `isa`.
 ///
 /// # Errors
 /// If `w` is not 2-D, not on the CPU, of an unsupported type, or `k` does not match.
-pub fn matmul(w: &QTensor, xs: &Tensor) -> Result<Tensor> {
+pub fn matmul(isa: Isa, w: &QTensor, xs: &Tensor) -> Result<Tensor> {
     let (n, k) = w.shape().dims2()?;
     let (m, xk) = xs.dims2()?;
     let dtype = w.dtype();
@@ -195,9 +210,9 @@ pub fn matmul(w: &QTensor, xs: &Tensor) -> Result<Tensor> {
     let data = w.data()?;
     let row_bytes = k / unpack::block_elems(dtype) * dtype.type_size();
     let xs: Vec<f32> = xs.flatten_all()?.to_vec1()?;
-    let acts = Acts::quantize(&xs, k);
+    let acts = Acts::quantize(isa, &xs, k);
     let ops = Operands {
-        isa: isa(),
+        isa,
         dtype,
         weights: &data,
         row_bytes,
@@ -211,21 +226,22 @@ pub fn matmul(w: &QTensor, xs: &Tensor) -> Result<Tensor> {
         .for_each(|(t, out)| {
             let j0 = t * ROWS_PER_TASK;
             #[cfg(target_arch = "x86_64")]
-            if ops.isa != Isa::Scalar && m == 1 {
-                // A decode step: unpack in registers (bit-identical to the buffered path).
+            if ops.isa.level() != Level::Scalar && m <= fused::max_rows(ops.isa) {
+                // A decode step or a short verify window: unpack in registers, once for all
+                // rows (bit-identical to the buffered path).
                 let rows = ops.acts.rows();
-                for (jj, y) in out.iter_mut().enumerate() {
+                for (jj, ys) in out.chunks_exact_mut(m).enumerate() {
                     let j = j0 + jj;
                     let w = &ops.weights[j * row_bytes..(j + 1) * row_bytes];
-                    // SAFETY: a non-scalar `isa` came from `Isa::detect`; the type and the row
-                    // length were checked above.
-                    *y = unsafe { fused::dot(ops.isa, dtype, w, rows[0]) };
+                    // SAFETY: a non-scalar `Isa` token proves its features; the type, the row
+                    // length and the row count were checked above.
+                    unsafe { fused::dot_rows(ops.isa, dtype, w, &rows, ys) };
                 }
                 return;
             }
             #[cfg(target_arch = "x86_64")]
-            if ops.isa != Isa::Scalar {
-                // SAFETY: every non-scalar `Isa` implies AVX2, FMA and F16C.
+            if ops.isa.level() != Level::Scalar {
+                // SAFETY: every non-scalar `Isa` token implies AVX2, FMA and F16C.
                 unsafe { rows_task_avx2(ops, j0, out) };
                 return;
             }

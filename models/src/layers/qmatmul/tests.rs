@@ -5,7 +5,8 @@ use super::*;
 use candle_core::DType;
 use rand::{Rng, SeedableRng};
 
-const TYPES: [GgmlDType; 5] = [
+const TYPES: [GgmlDType; 6] = [
+    GgmlDType::Q4_0,
     GgmlDType::Q4_1,
     GgmlDType::Q5_0,
     GgmlDType::Q8_0,
@@ -96,7 +97,7 @@ fn matches_dense_matmul() {
         let (q, dense) = weight(&mut rng, dtype);
         for m in [1, 3, 8, 17] {
             let xs = randn(&mut rng, (m, 512));
-            let ours = matmul(&q, &xs).unwrap();
+            let ours = matmul(Isa::detect(), &q, &xs).unwrap();
             let theirs = xs.matmul(&dense.t().unwrap()).unwrap();
             assert_eq!(ours.dims(), theirs.dims());
             let diff = max_abs(&(ours - &theirs).unwrap());
@@ -109,39 +110,44 @@ fn matches_dense_matmul() {
     }
 }
 
-/// Row r of a chunk is bit-identical to the same row multiplied alone, for every chunk size.
+/// Row r of a call is bit-identical to the same row multiplied alone, for every row count and
+/// every SIMD path this CPU runs.
 #[test]
-fn rows_do_not_depend_on_chunk_size() {
+fn rows_do_not_depend_on_row_count() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
     for dtype in TYPES {
         let (q, _) = weight(&mut rng, dtype);
-        let xs = randn(&mut rng, (17, 512));
-        let alone: Vec<Vec<f32>> = (0..17)
-            .map(|r| {
-                let y = matmul(&q, &xs.narrow(0, r, 1).unwrap()).unwrap();
-                y.flatten_all().unwrap().to_vec1().unwrap()
-            })
-            .collect();
-        for m in 2..=17 {
-            let ys: Vec<Vec<f32>> = matmul(&q, &xs.narrow(0, 0, m).unwrap())
-                .unwrap()
-                .to_vec2()
-                .unwrap();
-            for (r, y) in ys.iter().enumerate() {
-                let same = y
-                    .iter()
-                    .zip(&alone[r])
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(
-                    same,
-                    "{dtype:?}: row {r} of a {m}-row chunk differs from row {r} alone"
-                );
+        let xs = randn(&mut rng, (512, 512));
+        for isa in Isa::available() {
+            let alone = |r: usize| -> Vec<u32> {
+                let y = matmul(isa, &q, &xs.narrow(0, r, 1).unwrap()).unwrap();
+                let y: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
+                y.into_iter().map(f32::to_bits).collect()
+            };
+            let first: Vec<Vec<u32>> = (0..100).map(alone).collect();
+            for m in [2, 3, 7, 16, 17, 33, 100, 512] {
+                let ys: Vec<Vec<f32>> = matmul(isa, &q, &xs.narrow(0, 0, m).unwrap())
+                    .unwrap()
+                    .to_vec2()
+                    .unwrap();
+                for (r, y) in ys.iter().enumerate() {
+                    let want = match r {
+                        r if r < 100 => first[r].clone(),
+                        511 => alone(511),
+                        _ => continue,
+                    };
+                    let y: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(
+                        y, want,
+                        "{dtype:?} {isa}: row {r} of {m} rows differs from it alone"
+                    );
+                }
             }
         }
     }
 }
 
-/// The SIMD build of this CPU computes the same integer lane sums as the scalar one, so the
+/// Every SIMD build of this CPU computes the same integer lane sums as the scalar one, so the
 /// results agree up to fused-multiply-add rounding.
 #[test]
 fn simd_matches_scalar() {
@@ -153,17 +159,23 @@ fn simd_matches_scalar() {
             .unwrap()
             .to_vec1()
             .unwrap();
-        let acts = Acts::quantize(&xs, 512);
-        for (j, blocks) in unpacked_rows(&q).iter().enumerate() {
-            let mut simd = [0f32];
-            isa().dot_rows(blocks, unpack::has_min(dtype), &acts.rows(), &mut simd);
-            let simd = simd[0];
-            let scalar = dot::dot_scalar(blocks, acts.rows()[0]);
-            assert!(
-                (simd - scalar).abs() <= 1e-5 * scalar.abs().max(1.0),
-                "{dtype:?} ({:?}) row {j}: {simd} vs {scalar}",
-                isa()
+        let acts = Acts::quantize(Isa::SCALAR, &xs, 512);
+        for isa in Isa::available() {
+            assert_eq!(
+                Acts::quantize(isa, &xs, 512).q,
+                acts.q,
+                "{isa} quantization"
             );
+            for (j, blocks) in unpacked_rows(&q).iter().enumerate() {
+                let mut simd = [0f32];
+                dot::dot_rows(isa, blocks, unpack::has_min(dtype), &acts.rows(), &mut simd);
+                let simd = simd[0];
+                let scalar = dot::dot_scalar(blocks, acts.rows()[0]);
+                assert!(
+                    (simd - scalar).abs() <= 1e-5 * scalar.abs().max(1.0),
+                    "{dtype:?} ({isa}) row {j}: {simd} vs {scalar}"
+                );
+            }
         }
     }
 }
@@ -173,17 +185,17 @@ fn rejects_bad_inputs() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(9);
     let (q, _) = weight(&mut rng, GgmlDType::Q4_1);
     let bad = Tensor::zeros((2, 64), DType::F32, &Device::Cpu).unwrap();
-    assert!(matmul(&q, &bad).is_err());
+    assert!(matmul(Isa::detect(), &q, &bad).is_err());
     let f32_weight = QTensor::quantize(&randn(&mut rng, (4, 64)), GgmlDType::F32).unwrap();
     let xs = Tensor::zeros((1, 64), DType::F32, &Device::Cpu).unwrap();
-    assert!(matmul(&f32_weight, &xs).is_err());
+    assert!(matmul(Isa::detect(), &f32_weight, &xs).is_err());
 }
 
 /// The AVX2 unpacking writes exactly the blocks of the portable one.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn simd_unpack_matches_scalar() {
-    if isa() == Isa::Scalar {
+    if Isa::detect() == Isa::SCALAR {
         eprintln!("no AVX2 on this CPU: only the portable unpacking runs here");
         return;
     }
@@ -197,7 +209,7 @@ fn simd_unpack_matches_scalar() {
         for j in 0..24 {
             let row = &data[j * row_bytes..(j + 1) * row_bytes];
             unpack::unpack_row(dtype, row, &mut scalar);
-            // SAFETY: `isa()` is not scalar, so the CPU has AVX2, FMA and F16C.
+            // SAFETY: the detected path is not scalar, so the CPU has AVX2, FMA and F16C.
             unsafe { unpack::x86::unpack_row(dtype, row, &mut simd) };
             for (b, (s, v)) in scalar.iter().zip(&simd).enumerate() {
                 assert_eq!(s.q, v.q, "{dtype:?} row {j} block {b}");
@@ -214,14 +226,18 @@ fn simd_unpack_matches_scalar() {
 }
 
 /// Every SIMD build this CPU runs gives bit-identical products (same integer lanes, same float
-/// order), so the AVX2 fallback is exercised even on a VNNI machine.
+/// order), buffered or fused, so the AVX2 fallback is exercised even on a VNNI machine.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn simd_builds_agree_exactly() {
-    if isa() == Isa::Scalar {
+    let simd: Vec<Isa> = Isa::available()
+        .into_iter()
+        .filter(|&i| i != Isa::SCALAR)
+        .collect();
+    let Some(&first) = simd.first() else {
         eprintln!("no AVX2 on this CPU: only the portable build runs here");
         return;
-    }
+    };
     let mut rng = rand::rngs::StdRng::seed_from_u64(13);
     for dtype in TYPES {
         let (q, _) = weight(&mut rng, dtype);
@@ -230,31 +246,38 @@ fn simd_builds_agree_exactly() {
             .unwrap()
             .to_vec1()
             .unwrap();
-        let acts = Acts::quantize(&xs, 512);
+        let acts = Acts::quantize(first, &xs, 512);
         let data = q.data().unwrap();
+        let row = &data[..data.len() / 24];
         let mut blocks = vec![Block::default(); 512 / QK];
-        unpack::unpack_row(dtype, &data[..data.len() / 24], &mut blocks);
+        unpack::unpack_row(dtype, row, &mut blocks);
         let has_min = unpack::has_min(dtype);
-        let mut best = [0f32; 6];
-        isa().dot_rows(&blocks, has_min, &acts.rows(), &mut best);
-        let mut avx2 = [0f32; 6];
-        Isa::Avx2.dot_rows(&blocks, has_min, &acts.rows(), &mut avx2);
-        assert_eq!(
-            best.map(f32::to_bits),
-            avx2.map(f32::to_bits),
-            "{dtype:?} ({:?})",
-            isa()
-        );
-        // The decode kernels (unpacking in registers) give the same bits, in every build.
-        for (r, a) in acts.rows().into_iter().enumerate() {
-            for build in [isa(), Isa::Avx2] {
-                // SAFETY: `isa()` is a detected SIMD build, which implies AVX2.
-                let y = unsafe { fused::dot(build, dtype, &data[..data.len() / 24], a) };
-                assert_eq!(
-                    y.to_bits(),
-                    best[r].to_bits(),
-                    "{dtype:?} {build:?} row {r}"
-                );
+        let mut want = [0f32; 6];
+        dot::dot_rows(first, &blocks, has_min, &acts.rows(), &mut want);
+        for &isa in &simd {
+            let mut got = [0f32; 6];
+            dot::dot_rows(isa, &blocks, has_min, &acts.rows(), &mut got);
+            assert_eq!(
+                got.map(f32::to_bits),
+                want.map(f32::to_bits),
+                "{dtype:?} {isa}"
+            );
+            // The fused kernels (unpacking in registers) give the same bits, alone or in groups.
+            let rows = acts.rows();
+            for g in 1..=fused::max_rows(isa).min(rows.len()) {
+                for (c, group) in rows.chunks(g).enumerate() {
+                    let mut got = vec![0f32; group.len()];
+                    // SAFETY: `isa` is an available SIMD path; the group fits `max_rows`.
+                    unsafe { fused::dot_rows(isa, dtype, row, group, &mut got) };
+                    for (i, y) in got.iter().enumerate() {
+                        let r = c * g + i;
+                        assert_eq!(
+                            y.to_bits(),
+                            want[r].to_bits(),
+                            "{dtype:?} {isa} fused {g}: row {r}"
+                        );
+                    }
+                }
             }
         }
     }

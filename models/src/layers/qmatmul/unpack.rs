@@ -5,6 +5,7 @@
 //! them all. Layouts follow ggml (`ggml-common.h`, `dequantize_row_*` in `ggml-quants.c`):
 //!
 //! ```text
+//!  Q4_0  {f16 d, u8 qs[16]}                        w = d*(q - 8)        q in 0..15
 //!  Q4_1  {f16 d, f16 m, u8 qs[16]}                 w = d*q + m          q in 0..15
 //!  Q5_0  {f16 d, u8 qh[4], u8 qs[16]}              w = d*(q - 16)       q in 0..31
 //!  Q8_0  {f16 d, i8 qs[32]}                        w = d*q
@@ -51,7 +52,12 @@ impl Block {
 pub(super) fn supports(dtype: GgmlDType) -> bool {
     matches!(
         dtype,
-        GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q8_0 | GgmlDType::Q4K | GgmlDType::Q6K
+        GgmlDType::Q4_0
+            | GgmlDType::Q4_1
+            | GgmlDType::Q5_0
+            | GgmlDType::Q8_0
+            | GgmlDType::Q4K
+            | GgmlDType::Q6K
     )
 }
 
@@ -82,6 +88,7 @@ pub(super) fn unpack_row(dtype: GgmlDType, row: &[u8], out: &mut [Block]) {
     let bytes = row.len() / (out.len() / per);
     for (src, dst) in row.chunks_exact(bytes).zip(out.chunks_exact_mut(per)) {
         match dtype {
+            GgmlDType::Q4_0 => q4_0(src, &mut dst[0]),
             GgmlDType::Q4_1 => q4_1(src, &mut dst[0]),
             GgmlDType::Q5_0 => q5_0(src, &mut dst[0]),
             GgmlDType::Q8_0 => q8_0(src, &mut dst[0]),
@@ -89,6 +96,17 @@ pub(super) fn unpack_row(dtype: GgmlDType, row: &[u8], out: &mut [Block]) {
             _ => q6k(src, dst),
         }
     }
+}
+
+#[inline(always)]
+fn q4_0(src: &[u8], b: &mut Block) {
+    let (lo, hi) = b.q.split_at_mut(QK / 2);
+    for ((l, h), &x) in lo.iter_mut().zip(hi).zip(&src[2..18]) {
+        *l = (x & 0x0F) as i8 - 8;
+        *h = (x >> 4) as i8 - 8;
+    }
+    let d = f16_at(src, 0);
+    b.finish(d, d, 0.0);
 }
 
 #[inline(always)]
@@ -199,6 +217,7 @@ pub(super) mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(in super::super) unsafe fn unpack_row(dtype: GgmlDType, row: &[u8], out: &mut [Block]) {
         match dtype {
+            GgmlDType::Q4_0 => unpack_kind::<Q4_0>(row, out),
             GgmlDType::Q4_1 => unpack_kind::<Q4_1>(row, out),
             GgmlDType::Q5_0 => unpack_kind::<Q5_0>(row, out),
             GgmlDType::Q8_0 => unpack_kind::<Q8_0>(row, out),
@@ -312,6 +331,25 @@ pub(super) mod x86 {
         let lo = _mm_and_si128(qs, m4);
         let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m4);
         _mm256_set_m128i(hi, lo)
+    }
+
+    /// `{f16 d, u8 qs[16]}`, two blocks per unit, centred by -8.
+    pub(in super::super) struct Q4_0;
+    impl Kind for Q4_0 {
+        const PER: usize = 2;
+        const BYTES: usize = 2 * 18;
+        const MIN: bool = false;
+        #[inline(always)]
+        unsafe fn get(p: *const u8, j: usize) -> Reg {
+            let p = p.add(18 * j);
+            let d = f16(p);
+            reg(
+                _mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8)),
+                d,
+                d,
+                0.0,
+            )
+        }
     }
 
     /// `{f16 d, f16 m, u8 qs[16]}`, two blocks per unit.
