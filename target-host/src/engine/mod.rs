@@ -63,8 +63,9 @@ pub struct EngineConfig {
     /// `--max-running` sequences at the full context).
     #[arg(long, default_value_t = 0)]
     pub kv_pool_tokens: usize,
-    /// The draft deadline, in measured target steps (the step this draft feeds).
-    #[arg(long, default_value_t = 8.0)]
+    /// The draft deadline, in measured plain target steps (the step this draft feeds, without
+    /// its drafts).
+    #[arg(long, default_value_t = 4.0)]
     pub draft_deadline_steps: f64,
     /// The longest draft deadline (set from `--draft-deadline-ms`).
     #[arg(skip = Duration::from_millis(500))]
@@ -81,7 +82,7 @@ impl Default for EngineConfig {
             max_waiting: 64,
             max_batch_tokens: 256,
             kv_pool_tokens: 0,
-            draft_deadline_steps: 8.0,
+            draft_deadline_steps: 4.0,
             draft_deadline_cap: Duration::from_millis(500),
             profile: true,
         }

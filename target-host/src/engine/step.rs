@@ -229,7 +229,10 @@ impl<'a> Core<'a> {
         let mut fixed = vec![0usize; decode.len()];
         let mut cands = Vec::new();
         let mut cand_of = Vec::new();
-        let mut room = limits.batch_tokens.saturating_sub(decode.len());
+        // Drafts share the budget left by the decode rows with prefill, which is guaranteed
+        // half of it (when it wants that much): neither can starve the other.
+        let free = limits.batch_tokens.saturating_sub(decode.len());
+        let mut room = free - wants.iter().sum::<usize>().min(free / 2);
         for (j, &at) in decode.iter().enumerate() {
             let seq = &self.live[at].seq;
             // A round commits drafts plus one target token: never draft past max_tokens or
@@ -331,8 +334,15 @@ impl<'a> Core<'a> {
         if asks.is_empty() {
             return 0.0;
         }
-        let planned: usize = parts.iter().map(|p| self.planned_rows(p)).sum();
-        let deadline = self.deadline(planned);
+        // The step this draft feeds, without its drafts: what a plain step would cost.
+        let plain: usize = parts
+            .iter()
+            .map(|p| match &p.kind {
+                PartKind::Decode { .. } => 1,
+                PartKind::Prefill { chunk } => *chunk,
+            })
+            .sum();
+        let deadline = self.deadline(plain);
         let vocab = self.target.model().config().vocab_size;
         let started = Instant::now();
         let drafts = {
@@ -367,13 +377,6 @@ impl<'a> Core<'a> {
             self.config.draft_deadline_cap.as_secs_f64() * 1e3,
         );
         Duration::from_secs_f64(ms / 1e3)
-    }
-
-    fn planned_rows(&self, p: &Part) -> usize {
-        match &p.kind {
-            PartKind::Decode { asked, .. } => 1 + asked,
-            PartKind::Prefill { chunk } => *chunk,
-        }
     }
 
     fn rows(&self, p: &Part) -> Rows {
@@ -455,20 +458,27 @@ impl<'a> Core<'a> {
                         .get_or_insert_with(TapRows::default)
                         .extend(t);
                 }
-                if out.logits.dim(0)? == 0 {
-                    return Ok(());
+                if out.logits.dim(0)? > 0 {
+                    // The chunk ran the last prompt id: its row samples the first token.
+                    let picked = Picked::fetch(&out.logits, choice(&live.seq.req))?;
+                    let seq = &mut live.seq;
+                    let next = match &picked {
+                        Picked::Rows(rows) => {
+                            verify(&mut seq.sampler, rows, &[], None, &mut seq.context).next
+                        }
+                        Picked::Argmax(ids) => verify_greedy(ids, &[]).next,
+                    };
+                    seq.commit(next, picked.row(0))?;
                 }
-                // The chunk ran the last prompt id: its row samples the first token.
-                let picked = Picked::fetch(&out.logits, choice(&live.seq.req))?;
-                let seq = &mut live.seq;
-                let next = match &picked {
-                    Picked::Rows(rows) => {
-                        verify(&mut seq.sampler, rows, &[], None, &mut seq.context).next
-                    }
-                    Picked::Argmax(ids) => verify_greedy(ids, &[]).next,
-                };
-                seq.commit(next, picked.row(0))?;
-                if seq.req.speculation != Speculation::Off && seq.finish().is_none() {
+                // The prompt is computed (the chunk sampled the first token, or stopped right
+                // before the pending last prompt id): the drafter hears of the session now,
+                // with the taps of every position before the pending one.
+                let seq = &live.seq;
+                let opens = seq.is_running()
+                    && seq.req.speculation != Speculation::Off
+                    && seq.finish().is_none()
+                    && !self.drafting.has(session);
+                if opens {
                     let taps = live.prompt_taps.take();
                     let mut cur = self.slot.lock();
                     self.drafting
