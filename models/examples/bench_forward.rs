@@ -29,7 +29,7 @@ struct Args {
     context: usize,
     /// Prompt lengths whose prefill is timed (median of `--prefill-runs`, in the model's
     /// prefill chunks); empty to skip.
-    #[arg(long, value_delimiter = ',', default_value = "")]
+    #[arg(long, value_delimiter = ',')]
     prefill: Vec<usize>,
     /// Runs per prefill length.
     #[arg(long, default_value_t = 3)]
@@ -48,6 +48,22 @@ struct Args {
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     xs[xs.len() / 2]
+}
+
+/// CPU time of all this process's threads in ms (Linux `schedstat`, ns resolution), or 0
+/// elsewhere. On a machine shared with other jobs it counts only our own work, which makes
+/// A/B comparisons steadier than wall time (run with `RAYON_NUM_THREADS=1` so that no
+/// worker spins waiting).
+fn cpu_ms() -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    let ns: u64 = tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    ns as f64 / 1e6
 }
 
 /// Deterministic token ids spread over the vocabulary.
@@ -83,17 +99,19 @@ fn main() -> anyhow::Result<()> {
     let vocab = model.config().vocab_size;
     for &n in &args.prefill {
         let prompt = tokens(n, vocab);
-        let mut secs = Vec::new();
+        let (mut secs, mut cpu) = (Vec::new(), Vec::new());
         for _ in 0..args.prefill_runs.max(1) {
             let mut cache = model.new_cache();
-            let t = Instant::now();
+            let (t, c) = (Instant::now(), cpu_ms());
             model.prefill(&prompt, &mut cache, &ForwardRequest::default())?;
             secs.push(t.elapsed().as_secs_f64());
+            cpu.push((cpu_ms() - c) / 1e3);
         }
-        let s = median(secs);
+        let (s, c) = (median(secs), median(cpu));
         println!(
-            "prefill {n:>5} tokens: median {s:.3}s ({:.1} tok/s, {} runs)",
+            "prefill {n:>5} tokens: median {s:.3}s ({:.1} tok/s; cpu {c:.3}s, {:.1} tok/cpu-s; {} runs)",
             n as f64 / s,
+            n as f64 / c,
             args.prefill_runs.max(1)
         );
     }
@@ -130,30 +148,33 @@ fn main() -> anyhow::Result<()> {
     // Sizes alternate within each repetition (1 2 4 8 16 1 2 ...) so that load drift on a
     // shared machine hits every size alike; the ratios are the point.
     let mut times = vec![Vec::new(); args.chunks.len()];
+    let mut cpu = vec![Vec::new(); args.chunks.len()];
     for _ in 0..args.runs.max(3) * 2 {
-        for (&k, times) in args.chunks.iter().zip(&mut times) {
+        for ((&k, times), cpu) in args.chunks.iter().zip(&mut times).zip(&mut cpu) {
             let req = ForwardRequest {
                 logits: specula_models::Rows::Last(k),
                 ..Default::default()
             };
-            let t = Instant::now();
+            let (t, c) = (Instant::now(), cpu_ms());
             model.forward(&tokens(k, vocab), &mut cache, &req)?;
             times.push(t.elapsed().as_secs_f64() * 1e3);
+            cpu.push(cpu_ms() - c);
             cache.trim(k)?;
         }
     }
     // The minimum is the run least disturbed by other processes: on a loaded machine its
     // ratios are the steadier ones.
     let mut base = None;
-    for (&k, times) in args.chunks.iter().zip(times) {
+    for ((&k, times), cpu) in args.chunks.iter().zip(times).zip(cpu) {
         let min = times.iter().copied().fold(f64::INFINITY, f64::min);
-        let ms = median(times);
-        let (b_med, b_min) = *base.get_or_insert((ms, min));
+        let (ms, cpu) = (median(times), median(cpu));
+        let (b_med, b_min, b_cpu) = *base.get_or_insert((ms, min, cpu));
         println!(
-            "chunk {k:>2} @ ctx {}: median {ms:7.2} ms (ratio {:.2})  min {min:7.2} ms (ratio {:.2})",
+            "chunk {k:>2} @ ctx {}: median {ms:7.2} ms (ratio {:.2})  min {min:7.2} ms (ratio {:.2})  cpu {cpu:7.2} ms (ratio {:.2})",
             args.context,
             ms / b_med,
-            min / b_min
+            min / b_min,
+            cpu / b_cpu
         );
     }
     Ok(())

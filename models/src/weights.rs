@@ -18,7 +18,7 @@ use crate::layers::{Embedding, Linear};
 /// The dtype weights are kept in after loading.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WeightDType {
-    /// As stored: GGUF stays quantized (candle `QMatMul`), safetensors keep their dtype.
+    /// As stored: GGUF stays quantized (run by `layers::qmatmul`), safetensors keep their dtype.
     #[default]
     Native,
     /// Dense f32 (dequantizes GGUF).

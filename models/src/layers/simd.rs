@@ -5,11 +5,15 @@
 //! handed an `Isa` may use its instructions without further checks. The paths, best first:
 //!
 //! ```text
-//!  avx512   avx512f + bw + vl + vnni (+ avx2, fma, f16c)  512-bit vpdpbusd / FMA, 32 zmm registers
+//!  avx512   avx512f + bw + vl + vnni (+ avx2, fma, f16c)  EVEX vpdpbusd, 512-bit FMA (dense)
 //!  avxvnni  avxvnni (+ avx2, fma, f16c)                   256-bit vpdpbusd (VEX)
 //!  avx2     avx2 + fma + f16c                             vpmaddubsw + vpmaddwd, 256-bit FMA
 //!  scalar   any CPU                                       portable Rust
 //! ```
+//!
+//! The quantized kernels run `vpdpbusd` on 256-bit registers on `avx512` too: 512-bit builds
+//! (two blocks per register) measured slower on the AMD EPYC (Zen 4) dev machine, which
+//! splits 512-bit operations in two.
 //!
 //! `SPECULA_ISA=scalar|avx2|avxvnni|avx512` forces a path for the whole process (benchmarks,
 //! A/B runs, reproducing a CI machine); asking for one this CPU lacks is an error at model load.

@@ -35,9 +35,8 @@ pub(super) struct ActRow<'a> {
 /// path `isa`; `has_min` says whether any block of `w` has a non-zero `min` (else that term
 /// is skipped).
 ///
-/// Rows go through the SIMD kernels in groups (8 on `avx512`, with its 32 registers, else
-/// 4) that share the weight loads; a row's instructions are the same whichever group, and
-/// whichever group size, it lands in.
+/// Rows go through the SIMD kernels four at a time (sharing the weight loads); a row's
+/// instructions are the same whichever group it lands in.
 #[inline(always)]
 pub(super) fn dot_rows(isa: Isa, w: &[Block], has_min: bool, acts: &[ActRow<'_>], ys: &mut [f32]) {
     debug_assert_eq!(acts.len(), ys.len());
@@ -46,18 +45,14 @@ pub(super) fn dot_rows(isa: Isa, w: &[Block], has_min: bool, acts: &[ActRow<'_>]
     }
     #[cfg(target_arch = "x86_64")]
     if isa.level() != Level::Scalar {
-        let group = if isa.level() == Level::Avx512 { 8 } else { 4 };
-        for (a, y) in acts.chunks(group).zip(ys.chunks_mut(group)) {
-            match a.len() {
-                8 => y.copy_from_slice(&dispatch::<8>(isa, w, has_min, a)),
-                7 => y.copy_from_slice(&dispatch::<7>(isa, w, has_min, a)),
-                6 => y.copy_from_slice(&dispatch::<6>(isa, w, has_min, a)),
-                5 => y.copy_from_slice(&dispatch::<5>(isa, w, has_min, a)),
-                4 => y.copy_from_slice(&dispatch::<4>(isa, w, has_min, a)),
-                3 => y.copy_from_slice(&dispatch::<3>(isa, w, has_min, a)),
-                2 => y.copy_from_slice(&dispatch::<2>(isa, w, has_min, a)),
-                _ => y.copy_from_slice(&dispatch::<1>(isa, w, has_min, a)),
-            }
+        let mut quads = acts.chunks_exact(4).zip(ys.chunks_exact_mut(4));
+        for (a, y) in &mut quads {
+            let a: &[ActRow<'_>; 4] = a.try_into().expect("invariant: chunks of 4");
+            y.copy_from_slice(&dispatch(isa, w, has_min, a));
+        }
+        let rest = acts.len() / 4 * 4;
+        for (a, y) in acts[rest..].iter().zip(&mut ys[rest..]) {
+            *y = dispatch::<1>(isa, w, has_min, std::array::from_ref(a))[0];
         }
         return;
     }
@@ -69,16 +64,15 @@ pub(super) fn dot_rows(isa: Isa, w: &[Block], has_min: bool, acts: &[ActRow<'_>]
 /// One group of `R` rows through the build of `isa` (not scalar).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn dispatch<const R: usize>(isa: Isa, w: &[Block], has_min: bool, a: &[ActRow<'_>]) -> [f32; R] {
-    let a: &[ActRow<'_>; R] = a.try_into().expect("invariant: a group of R rows");
+fn dispatch<const R: usize>(isa: Isa, w: &[Block], has_min: bool, a: &[ActRow<'_>; R]) -> [f32; R] {
     // SAFETY: an `Isa` token is only made after checking the features of its level; the
     // lengths were asserted in `dot_rows`.
     unsafe {
         match (isa.level(), has_min) {
             (Level::AvxVnni, true) => x86::dot_avxvnni::<R, true>(w, a),
             (Level::AvxVnni, false) => x86::dot_avxvnni::<R, false>(w, a),
-            (Level::Avx512, true) => x86::dot_avx512::<R, true>(w, a),
-            (Level::Avx512, false) => x86::dot_avx512::<R, false>(w, a),
+            (Level::Avx512, true) => x86::dot_avx512vnni::<R, true>(w, a),
+            (Level::Avx512, false) => x86::dot_avx512vnni::<R, false>(w, a),
             (_, true) => x86::dot_avx2::<R, true>(w, a),
             (_, false) => x86::dot_avx2::<R, false>(w, a),
         }
@@ -168,99 +162,17 @@ pub(super) mod x86 {
         ))
     }
 
-    /// Two blocks per 512-bit register: block `b` (even) in the low half, `b + 1` in the high
-    /// half, so each half runs exactly the 256-bit builds' operations for its block and
-    /// `acc[0]`/`acc[1]` of those builds are the halves here (hence bit-identical to them).
-    /// An odd last block updates only the low half (a masked multiply-add).
-    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn dot_avx512<const R: usize, const MIN: bool>(
+    /// [`dot_avxvnni`] with the EVEX encoding of the same instruction (the `avx512` path).
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vnni,avx512vl")]
+    pub(super) unsafe fn dot_avx512vnni<const R: usize, const MIN: bool>(
         w: &[Block],
         a: &[ActRow<'_>; R],
     ) -> [f32; R] {
-        let mut acc = [_mm512_setzero_ps(); R];
-        let mut min = [[0f32; R]; 2];
-        let pairs = w.len() / 2;
-        for pb in 0..pairs + w.len() % 2 {
-            let b = 2 * pb;
-            let both = pb < pairs;
-            let lo = w.get_unchecked(b);
-            // The odd last block pairs with itself; the mask drops its high half.
-            let hi = w.get_unchecked((b + 1).min(w.len() - 1));
-            let mask: __mmask16 = if both { 0xFFFF } else { 0x00FF };
-            let q = join_i(
-                lo.q.as_ptr() as *const __m256i,
-                hi.q.as_ptr() as *const __m256i,
-            );
-            let corr = join_i(
-                lo.neg_corr.as_ptr() as *const __m256i,
-                hi.neg_corr.as_ptr() as *const __m256i,
-            );
-            let sc = join_ps(
-                _mm256_load_ps(lo.scale.as_ptr()),
-                _mm256_load_ps(hi.scale.as_ptr()),
-            );
-            for r in 0..R {
-                let row = a.get_unchecked(r);
-                let qa = pair_q(row.q.as_ptr().add(b * QK), both);
-                let lanes = _mm512_dpbusd_epi32(corr, qa, q);
-                let s = _mm512_mul_ps(sc, pair_d(row.d.as_ptr().add(b), both));
-                acc[r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(lanes), s, acc[r], mask);
-                if MIN {
-                    min[0][r] = lo.min.mul_add(*row.s.get_unchecked(b), min[0][r]);
-                    if both {
-                        min[1][r] = hi.min.mul_add(*row.s.get_unchecked(b + 1), min[1][r]);
-                    }
-                }
-            }
-        }
-        std::array::from_fn(|r| hsum(halves(acc[r])) + (min[0][r] + min[1][r]))
-    }
-
-    /// `lo + hi` of a 512-bit accumulator: the 256-bit builds' `acc[0] + acc[1]`.
-    #[inline(always)]
-    pub(in super::super) unsafe fn halves(v: __m512) -> __m256 {
-        _mm256_add_ps(
-            _mm512_castps512_ps256(v),
-            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
-        )
-    }
-
-    /// `lo` and `hi` as one 512-bit register (AVX-512F only: no DQ needed).
-    #[inline(always)]
-    pub(in super::super) unsafe fn join_ps(lo: __m256, hi: __m256) -> __m512 {
-        let lo = _mm512_castpd256_pd512(_mm256_castps_pd(lo));
-        _mm512_castpd_ps(_mm512_insertf64x4::<1>(lo, _mm256_castps_pd(hi)))
-    }
-
-    /// Two aligned 256-bit loads as one 512-bit register (`lo` in the low half).
-    #[inline(always)]
-    unsafe fn join_i(lo: *const __m256i, hi: *const __m256i) -> __m512i {
-        _mm512_inserti64x4::<1>(
-            _mm512_castsi256_si512(_mm256_load_si256(lo)),
-            _mm256_load_si256(hi),
-        )
-    }
-
-    /// The activation bytes of blocks `b, b + 1` at `q` (only block `b` when `both` is false:
-    /// an odd last block, whose high half must not be read).
-    #[inline(always)]
-    pub(in super::super) unsafe fn pair_q(q: *const u8, both: bool) -> __m512i {
-        match both {
-            true => _mm512_loadu_si512(q as *const __m512i),
-            false => _mm512_castsi256_si512(_mm256_loadu_si256(q as *const __m256i)),
-        }
-    }
-
-    /// `[d[0]; 8] ++ [d[1]; 8]` (`[d[0]; 8] ++ [0; 8]` when `both` is false).
-    #[inline(always)]
-    pub(in super::super) unsafe fn pair_d(d: *const f32, both: bool) -> __m512 {
-        if both {
-            // One 64-bit load and one permute: lanes 0..8 take d[0], lanes 8..16 d[1].
-            let two = _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(d as *const f64)));
-            let idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-            return _mm512_permutexvar_ps(idx, two);
-        }
-        join_ps(_mm256_set1_ps(*d), _mm256_setzero_ps())
+        dot_body!(w, a, R, MIN, |blk, qa| _mm256_dpbusd_epi32(
+            _mm256_load_si256(blk.neg_corr.as_ptr() as *const __m256i),
+            qa,
+            _mm256_load_si256(blk.q.as_ptr() as *const __m256i),
+        ))
     }
 
     /// ggml's sign trick: `|q_w| * sign(q_a, q_w)` fits `vpmaddubsw` without saturating

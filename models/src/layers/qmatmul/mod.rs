@@ -10,15 +10,13 @@
 //! whose integer lane sums are exact and whose f32 operations run in one fixed order per
 //! output, whichever tile or group of rows the row lands in. A decode step (one row) skips
 //! the buffer: [`fused`] unpacks each block in registers and dots it at once, with the same
-//! arithmetic (tested bit for bit); so do verify windows of up to `fused::max_rows` rows,
-//! unpacking each block once in registers for all of them.
+//! arithmetic (tested bit for bit).
 //!
 //! ```text
 //!  W  [n, k] raw GGUF blocks               X  [m, k] f32 -> m rows of k/32 (u8 q[32], d, s)
-//!  for each task of ROWS_PER_TASK weight rows (rayon):
-//!    unpack those rows -> k/32 Blocks each (i8 q[32], scales, min)   (once per call)
-//!    for each tile of ACT_TILE activation rows (kept in L1 across the task's rows):
-//!      for each weight row j:  y[r, j] = dot(Blocks_j, X[r])     (same code for every r)
+//!  for each weight row j (rayon, ROWS_PER_TASK per task):
+//!    unpack W[j] -> k/32 Blocks (i8 q[32], scales, min)    (once per call, in L1)
+//!    for each activation row r:  y[r, j] = dot(Blocks, X[r])   (same code for every r)
 //! ```
 //!
 //! Reference: ggml's `vec_dot_q*_q8_*` (`ggml-cpu/arch/x86/quants.c`); the per-lane integer
@@ -42,9 +40,6 @@ use unpack::{Block, QK};
 
 /// Weight rows per rayon task: enough work to amortise scheduling.
 const ROWS_PER_TASK: usize = 16;
-
-/// Activation rows dotted with a task's unpacked weight rows before the next ones.
-const ACT_TILE: usize = 8;
 
 /// Whether [`matmul`] handles weights of this type.
 pub fn supports(dtype: GgmlDType) -> bool {
@@ -115,7 +110,7 @@ impl Acts {
 }
 
 thread_local! {
-    /// A task's unpacked weight rows, per worker thread, reused across calls.
+    /// One unpacked weight row per worker thread, reused across calls.
     static UNPACKED: RefCell<Vec<Block>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -132,10 +127,7 @@ struct Operands<'a> {
 
 /// The products of weight rows `j0..j0 + out.len() / m` with all activation rows:
 /// `out[(j - j0) * m + r] = y[r, j]`.
-///
-/// The task's weight rows are unpacked once into the buffer; activation rows then go by in
-/// tiles of [`ACT_TILE`], each tile dotted with every unpacked row while it is in L1 (a
-/// 512-row prefill chunk would otherwise stream all activations once per weight row).
+
 #[inline(always)]
 fn rows_task(
     ops: Operands,
@@ -151,25 +143,18 @@ fn rows_task(
         acts,
     } = ops;
     let rows = acts.rows();
-    let m = rows.len();
-    let kb = acts.k / QK;
-    let n_rows = out.len() / m;
     let has_min = unpack::has_min(dtype);
     UNPACKED.with(|buf| {
         let mut buf = buf.borrow_mut();
-        buf.resize(n_rows * kb, Block::default());
-        for (jj, blocks) in buf.chunks_exact_mut(kb).enumerate() {
+        buf.resize(acts.k / QK, Block::default());
+        for (jj, ys) in out.chunks_exact_mut(rows.len()).enumerate() {
             let j = j0 + jj;
-            unpack_row(dtype, &weights[j * row_bytes..(j + 1) * row_bytes], blocks);
-        }
-        let mut ys = [0f32; ACT_TILE];
-        for (t, tile) in rows.chunks(ACT_TILE).enumerate() {
-            let r0 = t * ACT_TILE;
-            for (jj, blocks) in buf.chunks_exact(kb).enumerate() {
-                let ys = &mut ys[..tile.len()];
-                dot::dot_rows(isa, blocks, has_min, tile, ys);
-                out[jj * m + r0..jj * m + r0 + tile.len()].copy_from_slice(ys);
-            }
+            unpack_row(
+                dtype,
+                &weights[j * row_bytes..(j + 1) * row_bytes],
+                &mut buf,
+            );
+            dot::dot_rows(isa, &buf, has_min, &rows, ys);
         }
     })
 }
@@ -226,16 +211,15 @@ pub fn matmul(isa: Isa, w: &QTensor, xs: &Tensor) -> Result<Tensor> {
         .for_each(|(t, out)| {
             let j0 = t * ROWS_PER_TASK;
             #[cfg(target_arch = "x86_64")]
-            if ops.isa.level() != Level::Scalar && m <= fused::max_rows(ops.isa) {
-                // A decode step or a short verify window: unpack in registers, once for all
-                // rows (bit-identical to the buffered path).
+            if ops.isa.level() != Level::Scalar && m == 1 {
+                // A decode step: unpack in registers (bit-identical to the buffered path).
                 let rows = ops.acts.rows();
-                for (jj, ys) in out.chunks_exact_mut(m).enumerate() {
+                for (jj, y) in out.iter_mut().enumerate() {
                     let j = j0 + jj;
                     let w = &ops.weights[j * row_bytes..(j + 1) * row_bytes];
-                    // SAFETY: a non-scalar `Isa` token proves its features; the type, the row
-                    // length and the row count were checked above.
-                    unsafe { fused::dot_rows(ops.isa, dtype, w, &rows, ys) };
+                    // SAFETY: a non-scalar `Isa` token proves its features; the type and the
+                    // row length were checked above.
+                    *y = unsafe { fused::dot(ops.isa, dtype, w, rows[0]) };
                 }
                 return;
             }
