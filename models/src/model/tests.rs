@@ -430,13 +430,14 @@ fn rows(seq: SeqId, tokens: &[u32]) -> SeqRows {
     }
 }
 
-/// Tiny models whose every matmul is row-invariant at every row count today (our own
-/// quantized kernels).
-const INVARIANT: [GgmlDType; 2] = [GgmlDType::Q4_0, GgmlDType::Q5_0];
-
-/// Tiny models whose matmuls become row-invariant with the `kernels` branch (dense f32 and
-/// candle's Q8_0 over more than 16 rows); `None` is the HF f32 directory.
-const AFTER_KERNELS: [Option<GgmlDType>; 2] = [None, Some(GgmlDType::Q8_0)];
+/// Tiny model weights the invariance tests cover: HF f32 (`None`, the dense kernel), candle's
+/// Q8_0 blocks and our own Q4_0 / Q5_0 kernels.
+const WEIGHTS: [Option<GgmlDType>; 4] = [
+    None,
+    Some(GgmlDType::Q8_0),
+    Some(GgmlDType::Q4_0),
+    Some(GgmlDType::Q5_0),
+];
 
 /// A tiny `arch` model as an HF f32 directory (`None`) or a GGUF of `dtype`.
 fn tiny_model(arch: &str, seed: u64, dtype: Option<GgmlDType>, dir: &TempDir) -> Model {
@@ -457,32 +458,16 @@ fn tiny_model(arch: &str, seed: u64, dtype: Option<GgmlDType>, dir: &TempDir) ->
 
 #[test]
 fn packed_rows_equal_each_sequence_alone() {
-    for dt in INVARIANT {
+    for dt in WEIGHTS {
         for arch in ARCHS {
-            packed_rows_equal_alone(&tiny_model(arch, 11, Some(dt), &TempDir::new()));
+            packed_rows_equal_alone(&tiny_model(arch, 11, dt, &TempDir::new()));
         }
     }
 }
 
 #[test]
-#[ignore = "waits on the kernels branch (row-invariant dense f32 / Q8_0 matmuls)"]
-fn packed_rows_equal_each_sequence_alone_f32_q8() {
-    for dt in AFTER_KERNELS {
-        packed_rows_equal_alone(&tiny_model("qwen3", 11, dt, &TempDir::new()));
-    }
-}
-
-#[test]
 fn rows_are_independent_of_chunking() {
-    for dt in INVARIANT {
-        rows_independent_of_chunking(&tiny_model("llama", 12, Some(dt), &TempDir::new()));
-    }
-}
-
-#[test]
-#[ignore = "waits on the kernels branch (row-invariant dense f32 / Q8_0 matmuls)"]
-fn rows_are_independent_of_chunking_f32_q8() {
-    for dt in AFTER_KERNELS {
+    for dt in WEIGHTS {
         rows_independent_of_chunking(&tiny_model("llama", 12, dt, &TempDir::new()));
     }
 }
