@@ -144,6 +144,9 @@ pub enum KvSource {
     Own,
     /// The layer reuses the K/V of the given earlier layer.
     SharedFrom(usize),
+    /// The layer reads the target's K/V (Gemma 4 assistant): its last layer of the same type
+    /// that owns K/V.
+    Target,
 }
 
 /// One Gemma 4 layer's shape, every default resolved.
@@ -161,6 +164,21 @@ pub struct Gemma4Layer {
     pub k_eq_v: bool,
     /// MLP width.
     pub intermediate_size: usize,
+}
+
+impl Gemma4Params {
+    /// The KV pool slot that an assistant layer of `kind` reads from this (target) model: the
+    /// slot of the last layer of that type owning K/V (transformers' "store" layers). Slots are
+    /// numbered over the owning layers in order, as [`crate::arch::gemma4::Gemma4`] lays them
+    /// out.
+    pub fn donor_slot(&self, kind: LayerType) -> Option<usize> {
+        let owners: Vec<&Gemma4Layer> = self
+            .layers
+            .iter()
+            .filter(|l| l.kv == KvSource::Own)
+            .collect();
+        owners.iter().rposition(|l| l.kind == kind)
+    }
 }
 
 /// Gemma 4's hyper-parameters with every default resolved.
@@ -299,6 +317,22 @@ impl ModelConfig {
     /// What is wrong, for mixture-of-experts blocks or a softcap (not implemented), layer
     /// types that do not match the layer count, or KV sharing without a donor of some type.
     pub fn gemma4(&self) -> std::result::Result<Gemma4Params, String> {
+        self.gemma4_layers(false)
+    }
+
+    /// Gemma 4 assistant (`Gemma4AssistantConfig.text_config`): every layer reads the target's
+    /// K/V ([`KvSource::Target`]).
+    ///
+    /// # Errors
+    /// As [`ModelConfig::gemma4`], and when not every layer is KV-shared.
+    pub fn gemma4_assistant(&self) -> std::result::Result<Gemma4Params, String> {
+        match self.gemma.num_kv_shared_layers == Some(self.num_hidden_layers) {
+            true => self.gemma4_layers(true),
+            false => Err("an assistant's num_kv_shared_layers must equal num_hidden_layers".into()),
+        }
+    }
+
+    fn gemma4_layers(&self, assistant: bool) -> std::result::Result<Gemma4Params, String> {
         let g = &self.gemma;
         if g.enable_moe_block == Some(true) {
             return Err("enable_moe_block (Gemma 4 mixture of experts) is not supported".into());
@@ -333,7 +367,7 @@ impl ModelConfig {
                 "num_kv_shared_layers {shared} exceeds the {n} layers"
             ));
         }
-        if shared == n {
+        if shared == n && !assistant {
             return Err("every layer shares K/V: an assistant, not a target model".into());
         }
         let first_shared = n - shared;
@@ -361,6 +395,7 @@ impl ModelConfig {
                 .unwrap_or_else(|| self.kv_heads());
             let kv = match l < first_shared {
                 true => KvSource::Own,
+                false if assistant => KvSource::Target,
                 false => match (0..first_shared).rev().find(|&d| kinds[d] == kind) {
                     Some(donor) => KvSource::SharedFrom(donor),
                     None => {
@@ -480,7 +515,20 @@ impl ModelConfig {
         };
         let raw: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
-        let mut cfg = ModelConfig::deserialize(&raw).map_err(|e| invalid(e.to_string()))?;
+        Self::from_hf_value(&raw, path)
+    }
+
+    /// As [`ModelConfig::from_hf_json`] for a parsed `config.json` (or a nested one, such as
+    /// a Gemma 4 assistant's `text_config`); `path` names the file in errors.
+    ///
+    /// # Errors
+    /// [`Error::InvalidModel`] as [`ModelConfig::from_hf_json`].
+    pub fn from_hf_value(raw: &serde_json::Value, path: &Path) -> Result<Self> {
+        let invalid = |reason: String| Error::InvalidModel {
+            path: path.to_path_buf(),
+            reason: format!("config.json: {reason}"),
+        };
+        let mut cfg = ModelConfig::deserialize(raw).map_err(|e| invalid(e.to_string()))?;
         // transformers 5 moved `rope_theta` into `rope_parameters` (older files: `rope_scaling`
         // beside a top-level `rope_theta`). Only plain rope is implemented: refuse the scaled
         // kinds instead of decoding with wrong positions.
@@ -645,7 +693,12 @@ impl ModelConfig {
             }
         }
         if self.is_gemma4() {
-            if let Err(reason) = self.gemma4() {
+            // An assistant's text config shares every layer's K/V with its target.
+            let resolved = match self.gemma.num_kv_shared_layers == Some(self.num_hidden_layers) {
+                true => self.gemma4_assistant(),
+                false => self.gemma4(),
+            };
+            if let Err(reason) = resolved {
                 return bad(reason);
             }
         }

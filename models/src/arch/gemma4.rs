@@ -189,6 +189,11 @@ impl Gemma4 {
                     let slot = slot_of[donor].expect("invariant: a donor layer owns a slot");
                     (KvSlot::Shared(slot), None)
                 }
+                KvSource::Target => {
+                    return Err(bad(format!(
+                        "layer {l} reads a target's K/V: an assistant, not a target model"
+                    )))
+                }
             };
             let self_attn = GemmaAttention {
                 q_proj: linear(weights, "self_attn.q_proj", (n_heads * hd, h))?,

@@ -139,3 +139,41 @@ fn logits_of_chunked_and_one_shot_prefill_are_identical() {
     let diff = (one - chunked).unwrap().abs().unwrap().max_all().unwrap();
     assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0);
 }
+
+/// The HF safetensors path ((1 + w) norms stored as w), a window of 3 keys, a scale that is not
+/// head_dim's and a final softcap, against transformers (`tests/fixtures/gemma3-tiny`, written
+/// by `scripts/reference/gemma3_tiny.py`).
+#[test]
+fn tiny_hf_checkpoint_matches_transformers() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma3-tiny");
+    let opts = LoadOptions {
+        dtype: WeightDType::F32,
+        ..LoadOptions::default()
+    };
+    let model = load_model(&dir, &opts).unwrap();
+    let fx: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("logits.json")).unwrap()).unwrap();
+    let (ids, want): (Vec<u32>, Vec<Vec<f32>>) = (
+        serde_json::from_value(fx["ids"].clone()).unwrap(),
+        serde_json::from_value(fx["logits"].clone()).unwrap(),
+    );
+    let req = ForwardRequest {
+        logits: crate::Rows::All,
+        ..ForwardRequest::default()
+    };
+    let mut cache = model.new_cache();
+    let got = model
+        .forward(&ids, &mut cache, &req)
+        .unwrap()
+        .logits
+        .to_vec2::<f32>()
+        .unwrap();
+    for (pos, (g, w)) in got.iter().zip(&want).enumerate() {
+        let d = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(d < 1e-4, "position {pos} differs by {d}");
+    }
+}
