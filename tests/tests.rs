@@ -3,6 +3,7 @@
 //! Real models are fetched on first use by `scripts/fetch-model` (see `specula_tests::model_path`).
 
 mod chaos;
+mod dflash;
 mod drafters;
 mod generate;
 mod golden;
