@@ -206,3 +206,49 @@ fn dspark_rnn_markov_matches_deepspec() {
     run("dspark_rnn");
     run("dspark_rnn_conf");
 }
+
+/// One batched forward for several sessions drafts what each session drafts alone.
+#[test]
+fn a_batched_draft_equals_each_session_alone() {
+    for name in ["dflash", "dspark_rnn_conf"] {
+        let case = Case::load(name);
+        let mut d = DFlash::new(WeightsSource::Path(fixtures().join(name)), Options::default())
+            .unwrap();
+        d.accept_target(&target()).unwrap();
+        let rounds = case.meta["rounds"].as_array().unwrap();
+        let mut prompt = ids(&case.meta["prompt"]);
+        prompt.push(rounds[0]["anchor"].as_u64().unwrap() as u32);
+        let open = case.taps("open");
+        let sampling = SamplingSpec::greedy();
+        // Session 2 sees a shorter prompt (its first 6 positions), so its context differs.
+        let short: Vec<Vec<f32>> = open.iter().map(|t| t[..6 * 32].to_vec()).collect();
+        for (session, prompt, taps) in [(1, &prompt[..], &open), (2, &prompt[..7], &short)] {
+            let rows = (prompt.len() - 1) as u32;
+            let taps = Taps::from_f32(0, rows, taps, None, &[]);
+            let args = OpenArgs {
+                prompt,
+                sampling: &sampling,
+                taps: Some(taps),
+            };
+            d.open(session, args);
+        }
+        let ask = |session| DraftAsk {
+            session,
+            new_tokens: &[],
+            n: 8,
+        };
+        let both = d.blocks(&[ask(1), ask(2), ask(9)]).unwrap();
+        assert!(both[2].is_none(), "a session that is not open drafts nothing");
+        for (i, session) in [1, 2].into_iter().enumerate() {
+            let alone = d.blocks(&[ask(session)]).unwrap().pop().unwrap().unwrap();
+            let batched = both[i].as_ref().unwrap();
+            assert_eq!(batched.tokens, alone.tokens, "{name} session {session}");
+            // Row blocking in the matmuls may reorder sums: equal within the parity tolerance.
+            let diff = max_diff(&batched.logits, &alone.logits);
+            assert!(diff <= TOL, "{name} session {session}: {diff}");
+        }
+        let a = both[0].as_ref().unwrap();
+        let b = both[1].as_ref().unwrap();
+        assert!(max_diff(&a.logits, &b.logits) > 1e-3, "{name}: the contexts differ");
+    }
+}
