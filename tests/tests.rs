@@ -4,6 +4,7 @@
 
 mod batch;
 mod chaos;
+mod dflash;
 mod drafters;
 mod generate;
 mod golden;

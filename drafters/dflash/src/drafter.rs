@@ -565,7 +565,7 @@ impl Loaded {
             Kind::DSpark => {
                 // Slot k (row k, the anchor's included) predicts the token at anchor + k + 1.
                 let rows = h.narrow(0, 0, n).map_err(err)?;
-                let base = self.draft_logits(&rows)?;
+                let base = |k: usize| self.draft_logits(&rows.narrow(0, k, 1).map_err(err)?);
                 let heads = self
                     .heads
                     .as_ref()
@@ -586,28 +586,20 @@ impl Loaded {
                         }
                     }
                 };
-                let out = heads.run(&rows, &base, s.anchor, &mut pick)?;
-                let q = (temperature > 0.0).then_some(q_rows);
-                let mut block = Block {
+                let out = heads.run(
+                    &rows,
+                    &base,
+                    s.anchor,
+                    self.threshold,
+                    c.vocab_size,
+                    &mut pick,
+                )?;
+                let block = Block {
                     tokens: out.tokens,
                     logits: out.logits,
                     confidence: out.confidence,
-                    q,
+                    q: (temperature > 0.0).then_some(q_rows),
                 };
-                if let (Some(conf), true) = (&block.confidence, self.threshold > 0.0) {
-                    // `_confident_prefix_length`: cut at the first slot below the threshold.
-                    let ell = conf
-                        .iter()
-                        .position(|&c| c < self.threshold)
-                        .unwrap_or(conf.len());
-                    block.tokens.truncate(ell);
-                    if let Some(q) = &mut block.q {
-                        q.truncate(ell);
-                    }
-                    if let Some(c) = &mut block.confidence {
-                        c.truncate(ell);
-                    }
-                }
                 Ok(block)
             }
         }

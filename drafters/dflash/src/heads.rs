@@ -101,17 +101,22 @@ impl Heads {
         self.confidence.is_some()
     }
 
-    /// Runs the heads over the block: `h` `[B, hidden]` normed hiddens, `base` `[B, vocab]`
-    /// logits, `anchor` the token before slot 0; `pick` chooses each slot's id from its
-    /// corrected logits row (argmax, or a sample), so the chain follows the drafts.
+    /// Runs the heads over the block, slot by slot: `h` `[B, hidden]` normed hiddens, `base(k)`
+    /// the `[1, vocab]` logits of slot `k` (computed only for slots that are drafted), `anchor`
+    /// the token before slot 0; `pick` chooses each slot's id from its corrected logits row
+    /// (argmax, or a sample), so the chain follows the drafts. With `cut_below > 0` and a
+    /// confidence head, drafting stops before the first slot whose confidence is below it
+    /// (DeepSpec `_confident_prefix_length`), so its lm_head row is never computed.
     ///
     /// # Errors
     /// [`Error::Forward`] on a shape mismatch.
     pub fn run(
         &self,
         h: &Tensor,
-        base: &Tensor,
+        base: &dyn Fn(usize) -> Result<Tensor, Error>,
         anchor: u32,
+        cut_below: f32,
+        vocab: usize,
         pick: &mut dyn FnMut(&Tensor) -> Result<u32, Error>,
     ) -> Result<HeadsOutput, Error> {
         let (b, _) = h.dims2().map_err(err)?;
@@ -121,14 +126,9 @@ impl Heads {
         let (mut rows, mut tokens, mut conf) = (Vec::new(), Vec::new(), Vec::new());
         for k in 0..b {
             let h_k = h.narrow(0, k, 1).map_err(err)?;
-            let base_k = base.narrow(0, k, 1).map_err(err)?;
-            let (z, prev_emb) = match &self.markov {
-                None => (base_k, None),
-                Some(m) => {
-                    let e = m.w1.narrow(0, prev as usize, 1).map_err(err)?;
-                    let bias = m.step_bias(&e, &h_k, &mut state, &device)?;
-                    ((base_k + bias).map_err(err)?, Some(e))
-                }
+            let prev_emb = match &self.markov {
+                None => None,
+                Some(m) => Some(m.w1.narrow(0, prev as usize, 1).map_err(err)?),
             };
             if let Some((input, proj)) = &self.confidence {
                 let features = match (input, &prev_emb) {
@@ -139,19 +139,34 @@ impl Heads {
                 };
                 let logit = proj.forward(&features).map_err(err)?;
                 let c = candle_nn::ops::sigmoid(&logit).map_err(err)?;
-                conf.push(
-                    c.flatten_all()
-                        .and_then(|c| c.to_vec1::<f32>())
-                        .map_err(err)?[0],
-                );
+                let c = c
+                    .flatten_all()
+                    .and_then(|c| c.to_vec1::<f32>())
+                    .map_err(err)?[0];
+                if cut_below > 0.0 && c < cut_below {
+                    break;
+                }
+                conf.push(c);
             }
+            let base_k = base(k)?;
+            let z = match (&self.markov, &prev_emb) {
+                (Some(m), Some(e)) => {
+                    let bias = m.step_bias(e, &h_k, &mut state, &device)?;
+                    (base_k + bias).map_err(err)?
+                }
+                _ => base_k,
+            };
             let id = pick(&z)?;
             tokens.push(id);
             rows.push(z);
             prev = id;
         }
+        let logits = match rows.is_empty() {
+            true => Tensor::zeros((0, vocab), candle_core::DType::F32, &device).map_err(err)?,
+            false => Tensor::cat(&rows, 0).map_err(err)?,
+        };
         Ok(HeadsOutput {
-            logits: Tensor::cat(&rows, 0).map_err(err)?,
+            logits,
             tokens,
             confidence: self.confidence.as_ref().map(|_| conf),
         })

@@ -38,6 +38,9 @@ fn target() -> TargetInfo {
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims());
+    if a.elem_count() == 0 {
+        return 0.0;
+    }
     (a - b)
         .unwrap()
         .abs()
@@ -90,9 +93,15 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
+/// Runs a case at the fixture's confidence threshold, or at `threshold` (0: whole blocks).
 fn run(name: &str) {
+    run_at(name, None);
+}
+
+fn run_at(name: &str, threshold: Option<f32>) {
     let case = Case::load(name);
-    let threshold = case.meta["threshold"].as_f64().unwrap_or(0.0) as f32;
+    let fixture = case.meta["threshold"].as_f64().unwrap_or(0.0) as f32;
+    let threshold = threshold.unwrap_or(fixture);
     let options = Options {
         block_size: None,
         confidence_threshold: threshold,
@@ -126,19 +135,28 @@ fn run(name: &str) {
             n: 16,
         };
         let block = d.blocks(&[ask]).unwrap().pop().unwrap().expect("a block");
-        let want = &case.tensors[&format!("round{r}.logits")];
-        let diff = max_diff(&block.logits, want);
-        assert!(diff <= TOL, "{name} round {r}: logits differ by {diff}");
         let drafts = ids(&round["drafts"]);
+        // The round as the fixture ran it (its ℓ decides Commit or Advance)...
         let length = round["length"]
             .as_u64()
             .map_or(drafts.len(), |l| l as usize);
-        assert_eq!(block.tokens, drafts[..length], "{name} round {r}: ids");
+        // ...and what this drafter proposes at its own threshold.
+        let proposed = match threshold == fixture {
+            true => length,
+            false => drafts.len(),
+        };
+        // A confidence cut stops before the lm_head rows of the slots it drops.
+        let want = case.tensors[&format!("round{r}.logits")]
+            .narrow(0, 0, proposed)
+            .unwrap();
+        let diff = max_diff(&block.logits, &want);
+        assert!(diff <= TOL, "{name} round {r}: logits differ by {diff}");
+        assert_eq!(block.tokens, drafts[..proposed], "{name} round {r}: ids");
         match case.tensors.get(&format!("round{r}.confidence")) {
             Some(c) => {
                 let want = c.to_vec1::<f32>().unwrap();
                 let got = block.confidence.as_ref().expect("confidences");
-                assert_eq!(got.len(), length, "{name} round {r}: ℓ");
+                assert_eq!(got.len(), proposed, "{name} round {r}: ℓ");
                 for (a, b) in got.iter().zip(&want) {
                     assert!(
                         (a - b).abs() <= TOL,
@@ -192,6 +210,7 @@ fn dflash_with_a_learned_mask_embedding() {
 fn dspark_vanilla_markov_matches_deepspec() {
     run("dspark_vanilla");
     run("dspark_vanilla_conf");
+    run_at("dspark_vanilla_conf", Some(0.0));
 }
 
 #[test]
@@ -199,10 +218,67 @@ fn dspark_gated_markov_matches_deepspec() {
     // dspark_gated keeps its own embed/lm_head copies (they differ from the target's).
     run("dspark_gated");
     run("dspark_gated_conf");
+    run_at("dspark_gated_conf", Some(0.0));
 }
 
 #[test]
 fn dspark_rnn_markov_matches_deepspec() {
     run("dspark_rnn");
     run("dspark_rnn_conf");
+    run_at("dspark_rnn_conf", Some(0.0));
+}
+
+/// One batched forward for several sessions drafts what each session drafts alone.
+#[test]
+fn a_batched_draft_equals_each_session_alone() {
+    for name in ["dflash", "dspark_rnn_conf"] {
+        let case = Case::load(name);
+        let mut d = DFlash::new(
+            WeightsSource::Path(fixtures().join(name)),
+            Options::default(),
+        )
+        .unwrap();
+        d.accept_target(&target()).unwrap();
+        let rounds = case.meta["rounds"].as_array().unwrap();
+        let mut prompt = ids(&case.meta["prompt"]);
+        prompt.push(rounds[0]["anchor"].as_u64().unwrap() as u32);
+        let open = case.taps("open");
+        let sampling = SamplingSpec::greedy();
+        // Session 2 sees a shorter prompt (its first 6 positions), so its context differs.
+        let short: Vec<Vec<f32>> = open.iter().map(|t| t[..6 * 32].to_vec()).collect();
+        for (session, prompt, taps) in [(1, &prompt[..], &open), (2, &prompt[..7], &short)] {
+            let rows = (prompt.len() - 1) as u32;
+            let taps = Taps::from_f32(0, rows, taps, None, &[]);
+            let args = OpenArgs {
+                prompt,
+                sampling: &sampling,
+                taps: Some(taps),
+            };
+            d.open(session, args);
+        }
+        let ask = |session| DraftAsk {
+            session,
+            new_tokens: &[],
+            n: 8,
+        };
+        let both = d.blocks(&[ask(1), ask(2), ask(9)]).unwrap();
+        assert!(
+            both[2].is_none(),
+            "a session that is not open drafts nothing"
+        );
+        for (i, session) in [1, 2].into_iter().enumerate() {
+            let alone = d.blocks(&[ask(session)]).unwrap().pop().unwrap().unwrap();
+            let batched = both[i].as_ref().unwrap();
+            assert_eq!(batched.tokens, alone.tokens, "{name} session {session}");
+            // Row blocking in the matmuls may reorder sums: equal within the parity tolerance.
+            let diff = max_diff(&batched.logits, &alone.logits);
+            assert!(diff <= TOL, "{name} session {session}: {diff}");
+        }
+        let a = both[0].as_ref().unwrap();
+        let b = both[1].as_ref().unwrap();
+        assert!(
+            max_diff(&a.logits, &b.logits) > 1e-3,
+            "{name}: the contexts differ"
+        );
+    }
 }
