@@ -391,11 +391,13 @@ fn health_models_and_metrics() {
     });
     let m = srv.get("/metrics");
     assert!(
-        m.headers.contains("content-type: text/plain"),
+        m.headers
+            .contains("content-type: application/openmetrics-text"),
         "{}",
         m.headers
     );
     let text = m.text();
+    let parsed = parse_metrics(&text);
     let value = |series: &str| -> f64 {
         text.lines()
             .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
@@ -415,16 +417,25 @@ fn health_models_and_metrics() {
     );
     assert_eq!(value("specula_queue_depth"), 0.0);
     assert_eq!(value("specula_time_to_first_token_seconds_count"), 1.0);
+    // Drafter families appear with a drafter (see the hot-swap test).
     for family in [
-        "specula_drafter_round_trip_seconds",
-        "specula_drafter_restarts_total",
-        "specula_acceptance_rate",
+        "specula_time_per_output_token_seconds",
+        "specula_request_duration_seconds",
+        "process_cpu_seconds",
     ] {
         assert!(
             text.contains(&format!("# TYPE {family} ")),
             "{family} missing:\n{text}"
         );
     }
+    let rss = parsed
+        .iter()
+        .find(|s| s.metric == "process_resident_memory_bytes")
+        .expect("process metrics");
+    assert!(
+        matches!(rss.value, prometheus_parse::Value::Gauge(v) if v > 1e6),
+        "{rss:?}"
+    );
 }
 
 #[test]
@@ -554,6 +565,24 @@ fn stop_strings_end_the_text() {
             "a stream never shows the stop string"
         );
     }
+}
+
+/// Parses `/metrics` as Prometheus does and checks that no series appears twice.
+fn parse_metrics(text: &str) -> Vec<prometheus_parse::Sample> {
+    let lines = text.lines().map(|l| Ok(l.to_string()));
+    let scrape = prometheus_parse::Scrape::parse(lines).expect("valid exposition text");
+    let mut seen = std::collections::HashSet::new();
+    for s in &scrape.samples {
+        let mut labels: Vec<_> = s.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        labels.sort();
+        assert!(
+            seen.insert((s.metric.clone(), labels.clone())),
+            "duplicate series {} {labels:?}:\n{text}",
+            s.metric
+        );
+    }
+    assert!(!scrape.samples.is_empty());
+    scrape.samples
 }
 
 fn wait_until(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) {
@@ -1033,6 +1062,28 @@ fn hot_swap_mid_stream_keeps_the_output() {
         .map(|d| d["name"].as_str().unwrap())
         .collect();
     assert_eq!(names.len(), 3, "ngram, echo, ngram: {list}");
+    // After the swaps every drafter instance has one restarts series, and no series repeats.
+    let samples = parse_metrics(&srv.get("/metrics").text());
+    let restarts: Vec<_> = samples
+        .iter()
+        .filter(|s| s.metric == "specula_drafter_restarts_total")
+        .map(|s| {
+            (
+                s.labels.get("drafter").map(str::to_string),
+                s.labels.get("instance").map(str::to_string),
+            )
+        })
+        .collect();
+    assert_eq!(restarts.len(), 3, "{restarts:?}");
+    for family in [
+        "specula_drafter_round_trip_seconds_count",
+        "specula_acceptance_rate",
+    ] {
+        assert!(
+            samples.iter().any(|s| s.metric == family),
+            "{family} missing"
+        );
+    }
 }
 
 /// SIGTERM lets the in-flight stream finish, then the server exits and takes its drafter down.

@@ -37,7 +37,7 @@ pub struct Tracker {
     metrics: Arc<Metrics>,
     endpoint: &'static str,
     started: Instant,
-    first_token_seen: bool,
+    first_token: Option<Instant>,
     finished: bool,
 }
 
@@ -48,14 +48,14 @@ impl Tracker {
             metrics,
             endpoint,
             started: Instant::now(),
-            first_token_seen: false,
+            first_token: None,
             finished: false,
         }
     }
 
     fn token(&mut self) {
-        if !self.first_token_seen {
-            self.first_token_seen = true;
+        if self.first_token.is_none() {
+            self.first_token = Some(Instant::now());
             self.metrics.first_token(self.started);
         }
     }
@@ -69,6 +69,7 @@ impl Tracker {
                     g.stats.prompt_tokens,
                     g.stats.generated_tokens,
                     self.started,
+                    self.first_token,
                 );
             }
             Err(_) => self.metrics.request(self.endpoint, 500),
