@@ -1352,3 +1352,113 @@ fn cut_characters_are_dropped_alike() {
         .collect();
     assert_eq!(streamed, text);
 }
+
+/// Anthropic's Messages API answers what the chat endpoint answers, whole and streamed.
+#[test]
+fn anthropic_messages() {
+    let srv = Server::start(&["--api-key", "k"]);
+    let key = [("x-api-key", "k"), ("anthropic-version", "2023-06-01")];
+    let question = "What is the capital of France? Answer in one sentence.";
+    let body = json!({"model": "smollm2-135m", "max_tokens": 24, "temperature": 0,
+        "system": "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": question}]}]});
+    let post = |b: &Value| {
+        request(
+            &srv.addr,
+            "POST",
+            "/v1/messages",
+            &key,
+            b.to_string().as_bytes(),
+        )
+    };
+    let r = post(&body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let msg = r.json();
+    let expected = generate_chat(question, 24, &[]);
+    assert_eq!(msg["type"], "message");
+    assert!(msg["id"].as_str().unwrap().starts_with("msg_"));
+    assert_eq!(msg["content"][0]["type"], "text");
+    assert_eq!(msg["content"][0]["text"], expected["text"]);
+    let reason = match expected["finish_reason"].as_str().unwrap() {
+        "length" => "max_tokens",
+        _ => "end_turn",
+    };
+    assert_eq!(msg["stop_reason"], reason);
+    assert_eq!(
+        msg["usage"]["output_tokens"],
+        expected["token_ids"].as_array().unwrap().len()
+    );
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let raw = post(&streamed).text();
+    let names: Vec<&str> = raw
+        .lines()
+        .filter_map(|l| l.strip_prefix("event: "))
+        .collect();
+    assert_eq!(
+        &names[..3],
+        ["message_start", "content_block_start", "ping"],
+        "{raw}"
+    );
+    assert_eq!(
+        &names[names.len() - 3..],
+        ["content_block_stop", "message_delta", "message_stop"]
+    );
+    let events: Vec<Value> = sse_data(&raw)
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let text: String = events
+        .iter()
+        .filter(|e| e["type"] == "content_block_delta")
+        .map(|e| e["delta"]["text"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(text, msg["content"][0]["text"].as_str().unwrap());
+    let delta = events
+        .iter()
+        .find(|e| e["type"] == "message_delta")
+        .unwrap();
+    assert_eq!(delta["delta"]["stop_reason"], msg["stop_reason"]);
+
+    // A stop sequence is reported as such.
+    let count = json!({"model": "smollm2-135m", "max_tokens": 30, "temperature": 0,
+        "stop_sequences": [" 7"],
+        "messages": [{"role": "user", "content": "Count from 1 to 10 with spaces: 1 2 3"}]});
+    let r = post(&count).json();
+    if r["stop_reason"] == "stop_sequence" {
+        assert_eq!(r["stop_sequence"], " 7", "{r}");
+    } else {
+        assert!(
+            !r["content"][0]["text"].as_str().unwrap().contains(" 7"),
+            "{r}"
+        );
+    }
+    // Errors in Anthropic's shape.
+    let r = post(
+        &json!({"model": "smollm2-135m", "max_tokens": 5, "tools": [],
+        "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(r.status, 400);
+    let e = r.json();
+    assert_eq!(e["type"], "error");
+    assert_eq!(e["error"]["type"], "invalid_request_error");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("tools"),
+        "{e}"
+    );
+    let r = request(
+        &srv.addr,
+        "POST",
+        "/v1/messages",
+        &[],
+        body.to_string().as_bytes(),
+    );
+    assert_eq!(r.status, 401);
+    let r = post(&json!({"model": "smollm2-135m", "max_tokens": 5,
+        "messages": [{"role": "wizard", "content": "hi"}]}));
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("wizard"));
+}
