@@ -391,11 +391,13 @@ fn health_models_and_metrics() {
     });
     let m = srv.get("/metrics");
     assert!(
-        m.headers.contains("content-type: text/plain"),
+        m.headers
+            .contains("content-type: application/openmetrics-text"),
         "{}",
         m.headers
     );
     let text = m.text();
+    let parsed = parse_metrics(&text);
     let value = |series: &str| -> f64 {
         text.lines()
             .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
@@ -415,16 +417,25 @@ fn health_models_and_metrics() {
     );
     assert_eq!(value("specula_queue_depth"), 0.0);
     assert_eq!(value("specula_time_to_first_token_seconds_count"), 1.0);
+    // Drafter families appear with a drafter (see the hot-swap test).
     for family in [
-        "specula_drafter_round_trip_seconds",
-        "specula_drafter_restarts_total",
-        "specula_acceptance_rate",
+        "specula_time_per_output_token_seconds",
+        "specula_request_duration_seconds",
+        "process_cpu_seconds",
     ] {
         assert!(
             text.contains(&format!("# TYPE {family} ")),
             "{family} missing:\n{text}"
         );
     }
+    let rss = parsed
+        .iter()
+        .find(|s| s.metric == "process_resident_memory_bytes")
+        .expect("process metrics");
+    assert!(
+        matches!(rss.value, prometheus_parse::Value::Gauge(v) if v > 1e6),
+        "{rss:?}"
+    );
 }
 
 #[test]
@@ -554,6 +565,24 @@ fn stop_strings_end_the_text() {
             "a stream never shows the stop string"
         );
     }
+}
+
+/// Parses `/metrics` as Prometheus does and checks that no series appears twice.
+fn parse_metrics(text: &str) -> Vec<prometheus_parse::Sample> {
+    let lines = text.lines().map(|l| Ok(l.to_string()));
+    let scrape = prometheus_parse::Scrape::parse(lines).expect("valid exposition text");
+    let mut seen = std::collections::HashSet::new();
+    for s in &scrape.samples {
+        let mut labels: Vec<_> = s.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        labels.sort();
+        assert!(
+            seen.insert((s.metric.clone(), labels.clone())),
+            "duplicate series {} {labels:?}:\n{text}",
+            s.metric
+        );
+    }
+    assert!(!scrape.samples.is_empty());
+    scrape.samples
 }
 
 fn wait_until(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) {
@@ -1033,6 +1062,28 @@ fn hot_swap_mid_stream_keeps_the_output() {
         .map(|d| d["name"].as_str().unwrap())
         .collect();
     assert_eq!(names.len(), 3, "ngram, echo, ngram: {list}");
+    // After the swaps every drafter instance has one restarts series, and no series repeats.
+    let samples = parse_metrics(&srv.get("/metrics").text());
+    let restarts: Vec<_> = samples
+        .iter()
+        .filter(|s| s.metric == "specula_drafter_restarts_total")
+        .map(|s| {
+            (
+                s.labels.get("drafter").map(str::to_string),
+                s.labels.get("instance").map(str::to_string),
+            )
+        })
+        .collect();
+    assert_eq!(restarts.len(), 3, "{restarts:?}");
+    for family in [
+        "specula_drafter_round_trip_seconds_count",
+        "specula_acceptance_rate",
+    ] {
+        assert!(
+            samples.iter().any(|s| s.metric == family),
+            "{family} missing"
+        );
+    }
 }
 
 /// SIGTERM lets the in-flight stream finish, then the server exits and takes its drafter down.
@@ -1300,4 +1351,114 @@ fn cut_characters_are_dropped_alike() {
         .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_string))
         .collect();
     assert_eq!(streamed, text);
+}
+
+/// Anthropic's Messages API answers what the chat endpoint answers, whole and streamed.
+#[test]
+fn anthropic_messages() {
+    let srv = Server::start(&["--api-key", "k"]);
+    let key = [("x-api-key", "k"), ("anthropic-version", "2023-06-01")];
+    let question = "What is the capital of France? Answer in one sentence.";
+    let body = json!({"model": "smollm2-135m", "max_tokens": 24, "temperature": 0,
+        "system": "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": question}]}]});
+    let post = |b: &Value| {
+        request(
+            &srv.addr,
+            "POST",
+            "/v1/messages",
+            &key,
+            b.to_string().as_bytes(),
+        )
+    };
+    let r = post(&body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let msg = r.json();
+    let expected = generate_chat(question, 24, &[]);
+    assert_eq!(msg["type"], "message");
+    assert!(msg["id"].as_str().unwrap().starts_with("msg_"));
+    assert_eq!(msg["content"][0]["type"], "text");
+    assert_eq!(msg["content"][0]["text"], expected["text"]);
+    let reason = match expected["finish_reason"].as_str().unwrap() {
+        "length" => "max_tokens",
+        _ => "end_turn",
+    };
+    assert_eq!(msg["stop_reason"], reason);
+    assert_eq!(
+        msg["usage"]["output_tokens"],
+        expected["token_ids"].as_array().unwrap().len()
+    );
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let raw = post(&streamed).text();
+    let names: Vec<&str> = raw
+        .lines()
+        .filter_map(|l| l.strip_prefix("event: "))
+        .collect();
+    assert_eq!(
+        &names[..3],
+        ["message_start", "content_block_start", "ping"],
+        "{raw}"
+    );
+    assert_eq!(
+        &names[names.len() - 3..],
+        ["content_block_stop", "message_delta", "message_stop"]
+    );
+    let events: Vec<Value> = sse_data(&raw)
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let text: String = events
+        .iter()
+        .filter(|e| e["type"] == "content_block_delta")
+        .map(|e| e["delta"]["text"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(text, msg["content"][0]["text"].as_str().unwrap());
+    let delta = events
+        .iter()
+        .find(|e| e["type"] == "message_delta")
+        .unwrap();
+    assert_eq!(delta["delta"]["stop_reason"], msg["stop_reason"]);
+
+    // A stop sequence is reported as such.
+    let count = json!({"model": "smollm2-135m", "max_tokens": 30, "temperature": 0,
+        "stop_sequences": [" 7"],
+        "messages": [{"role": "user", "content": "Count from 1 to 10 with spaces: 1 2 3"}]});
+    let r = post(&count).json();
+    if r["stop_reason"] == "stop_sequence" {
+        assert_eq!(r["stop_sequence"], " 7", "{r}");
+    } else {
+        assert!(
+            !r["content"][0]["text"].as_str().unwrap().contains(" 7"),
+            "{r}"
+        );
+    }
+    // Errors in Anthropic's shape.
+    let r = post(
+        &json!({"model": "smollm2-135m", "max_tokens": 5, "tools": [],
+        "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(r.status, 400);
+    let e = r.json();
+    assert_eq!(e["type"], "error");
+    assert_eq!(e["error"]["type"], "invalid_request_error");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("tools"),
+        "{e}"
+    );
+    let r = request(
+        &srv.addr,
+        "POST",
+        "/v1/messages",
+        &[],
+        body.to_string().as_bytes(),
+    );
+    assert_eq!(r.status, 401);
+    let r = post(&json!({"model": "smollm2-135m", "max_tokens": 5,
+        "messages": [{"role": "wizard", "content": "hi"}]}));
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("wizard"));
 }

@@ -3,7 +3,7 @@
 #
 #   tests/python/run.sh [pytest args...]
 #
-# Creates the venv /work/main/.venv-srv (openai + pytest) when absent, starts the server on a
+# Creates the venv .venv-srv (openai, anthropic, pytest) when absent, starts the server on a
 # free port with the real SmolLM2 model, runs pytest, and stops the server. Needs a built
 # target-host (cargo build -p target-host); set SPECULA_BIN to use another binary.
 set -euo pipefail
@@ -12,9 +12,9 @@ venv="${SPECULA_VENV:-$root/.venv-srv}"
 bin="${SPECULA_BIN:-$root/target/debug/target-host}"
 [ -x "$bin" ] || { echo "run.sh: $bin is not built (cargo build -p target-host)" >&2; exit 2; }
 
-if [ ! -x "$venv/bin/pytest" ] || ! "$venv/bin/python" -c "import openai" 2>/dev/null; then
+if [ ! -x "$venv/bin/pytest" ] || ! "$venv/bin/python" -c "import openai, anthropic" 2>/dev/null; then
   python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check openai pytest
+  "$venv/bin/pip" install --quiet --disable-pip-version-check openai anthropic pytest
 fi
 
 model=$("$root/scripts/fetch-model" smollm2-135m)

@@ -104,3 +104,30 @@ def test_bad_request_raises(client, model):
             model=model, messages=[{"role": "user", "content": "hi"}], n=2
         )
     assert err.value.body["param"] == "n"
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"presence_penalty": 5.0}, "presence_penalty"),
+        ({"frequency_penalty": -3.0}, "frequency_penalty"),
+        ({"logit_bias": {"1": 200}}, "logit_bias"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+def test_unsupported_or_out_of_range_is_a_400(client, model, extra, param):
+    kwargs = dict(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    kwargs.update(extra)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**kwargs)
+    assert err.value.body["param"] == param
+
+
+def test_token_id_prompt(client, model):
+    prompt = "The capital of France is"
+    by_text = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    ids = generate("--prompt", prompt, "--max-tokens", "1")["prompt_ids"]
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text

@@ -532,107 +532,112 @@ fn worker(
     }
 }
 
+/// Whether a series only goes up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeriesKind {
+    /// A value that goes up and down.
+    Gauge,
+    /// A running total (its name ends in `_total`).
+    Counter,
+}
+
+/// One engine series for `/metrics`: name, kind, help text and current value.
+pub type EngineSeries = (&'static str, SeriesKind, &'static str, f64);
+
 impl EngineCounters {
-    /// Appends the counters to `out` in the Prometheus text format.
-    pub fn render(&self, out: &mut String) {
-        use std::fmt::Write;
-        let series: [(&str, &str, &str, f64); 15] = [
+    /// The counters as metric series, in a fixed order (the same names at every call).
+    pub fn series(&self) -> [EngineSeries; 15] {
+        [
             (
                 "specula_engine_running",
-                "gauge",
+                SeriesKind::Gauge,
                 "Sequences running (decoding or prefilling).",
                 self.running as f64,
             ),
             (
                 "specula_engine_waiting",
-                "gauge",
+                SeriesKind::Gauge,
                 "Requests waiting for a running slot.",
                 self.waiting as f64,
             ),
             (
                 "specula_kv_pool_capacity_tokens",
-                "gauge",
+                SeriesKind::Gauge,
                 "KV pool capacity in positions.",
                 self.pool_capacity as f64,
             ),
             (
                 "specula_kv_pool_reserved_tokens",
-                "gauge",
+                SeriesKind::Gauge,
                 "KV positions reserved by running sequences.",
                 self.pool_reserved as f64,
             ),
             (
                 "specula_kv_pool_used_tokens",
-                "gauge",
+                SeriesKind::Gauge,
                 "KV positions in blocks of running sequences.",
                 self.pool_used as f64,
             ),
             (
                 "specula_kv_pool_cached_tokens",
-                "gauge",
+                SeriesKind::Gauge,
                 "KV positions cached for prefix reuse (evictable).",
                 self.pool_cached as f64,
             ),
             (
                 "specula_engine_steps_total",
-                "counter",
+                SeriesKind::Counter,
                 "Engine steps (one target forward each).",
                 self.steps as f64,
             ),
             (
                 "specula_engine_batch_rows_total",
-                "counter",
+                SeriesKind::Counter,
                 "Target rows over all steps.",
                 self.batch_rows as f64,
             ),
             (
                 "specula_engine_last_batch_rows",
-                "gauge",
+                SeriesKind::Gauge,
                 "Target rows of the last step.",
                 self.last_batch_rows as f64,
             ),
             (
                 "specula_engine_drafts_total",
-                "counter",
+                SeriesKind::Counter,
                 "Drafts verified (the controller's k, as drafted).",
                 self.drafts as f64,
             ),
             (
                 "specula_engine_decode_rows_total",
-                "counter",
+                SeriesKind::Counter,
                 "Sequence verifications over all steps.",
                 self.decode_rows as f64,
             ),
             (
                 "specula_engine_last_mean_k",
-                "gauge",
+                SeriesKind::Gauge,
                 "Mean draft length over the sequences of the last step.",
                 self.last_mean_k,
             ),
             (
                 "specula_prefix_cache_query_tokens_total",
-                "counter",
+                SeriesKind::Counter,
                 "Prompt positions (full blocks) looked up in the prefix cache.",
                 self.prefix_lookups as f64,
             ),
             (
                 "specula_prefix_cache_hit_tokens_total",
-                "counter",
+                SeriesKind::Counter,
                 "Prompt positions served from the prefix cache.",
                 self.prefix_hit_tokens as f64,
             ),
             (
                 "specula_engine_refused_total",
-                "counter",
+                SeriesKind::Counter,
                 "Requests refused with 429 (queue full).",
                 self.refused as f64,
             ),
-        ];
-        for (name, kind, help, v) in series {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
-            );
-        }
+        ]
     }
 }

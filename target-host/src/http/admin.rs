@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use super::auth::{credential, unauthorized, DrafterPolicy, Secrets};
 use super::error::{parse_value, ApiError, ApiJson};
-use super::metrics::{DrafterMeter, Metered, Metrics};
+use super::metrics::{DrafterLabels, DrafterMeter, Metered, Metrics};
 use super::AppState;
 use crate::proposer::Proposer;
 
@@ -81,7 +81,7 @@ pub struct DrafterView {
     /// Live status (`state` is `stopped` once swapped out).
     #[serde(flatten)]
     pub status: DrafterStatus,
-    /// Drafts offered by drafters of this name.
+    /// Drafts this instance offered.
     pub drafted: u64,
     /// Drafts accepted.
     pub accepted: u64,
@@ -164,7 +164,13 @@ impl Admin {
             lock(&source)
                 .records
                 .iter()
-                .map(|r| (r.name.clone(), r.view(false).status.restarts))
+                .map(|r| {
+                    let labels = DrafterLabels {
+                        drafter: r.name.clone(),
+                        instance: r.id.to_string(),
+                    };
+                    (labels, r.view(false).status.restarts)
+                })
                 .collect()
         }));
         Admin {
@@ -185,12 +191,13 @@ impl Admin {
         metrics: &Metrics,
     ) -> (Box<dyn Proposer>, DrafterView) {
         let name = launched.proposer.name().to_string();
-        let metered = Metered::new(launched.proposer, metrics);
         let mut reg = lock(&self.registry);
         let id = reg.records.len() as u64 + 1;
+        let meter = metrics.drafter(&name, id);
+        let metered = Metered::new(launched.proposer, meter.clone());
         let record = Record {
             id,
-            meter: metrics.drafter(&name),
+            meter,
             name,
             path,
             args,

@@ -352,11 +352,11 @@ impl Chunks for ChatChunks {
         ))
     }
 
-    fn finish(&mut self, generation: &Generation) -> serde_json::Value {
+    fn finish(&mut self, generation: &Generation) -> Vec<serde_json::Value> {
         // Text the tokens held back (a stop-string prefix that never completed) comes with the
         // last chunk, so a stream shows exactly the non-streamed text.
         let tail = generation.text.get(self.shown..).unwrap_or_default();
-        self.chunk(
+        vec![self.chunk(
             vec![ChatChunkChoice {
                 index: 0,
                 delta: ChatDelta {
@@ -367,7 +367,7 @@ impl Chunks for ChatChunks {
                 finish_reason: Some(finish_reason(generation.finish_reason)),
             }],
             None,
-        )
+        )]
     }
 
     fn usage(&mut self, usage: Usage) -> serde_json::Value {

@@ -232,7 +232,7 @@ impl Chunks for CompletionChunks {
         Some(self.chunk(vec![choice], None))
     }
 
-    fn finish(&mut self, generation: &Generation) -> serde_json::Value {
+    fn finish(&mut self, generation: &Generation) -> Vec<serde_json::Value> {
         // Text the tokens held back (a stop-string prefix that never completed) comes with the
         // last chunk, so a stream shows exactly the non-streamed text.
         let tail = generation.text.get(self.offset..).unwrap_or_default();
@@ -242,7 +242,7 @@ impl Chunks for CompletionChunks {
             logprobs: None,
             finish_reason: Some(finish_reason(generation.finish_reason)),
         };
-        self.chunk(vec![choice], None)
+        vec![self.chunk(vec![choice], None)]
     }
 
     fn usage(&mut self, usage: Usage) -> serde_json::Value {

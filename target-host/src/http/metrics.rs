@@ -1,92 +1,68 @@
-//! `GET /metrics`: counters in the Prometheus text format (version 0.0.4), hand-written because
-//! a dozen series do not justify a metrics framework.
+//! `GET /metrics`: counters, gauges and histograms through `prometheus-client` (the official
+//! OpenMetrics client), in the OpenMetrics text format Prometheus scrapes.
 //!
-//! Drafter series are labelled by the drafter's name and fed by [`Metered`], a [`Proposer`]
-//! wrapper the server puts around every drafter it installs, so all drafter kinds (process,
-//! in-process) are measured the same way.
+//! Every series is registered once in one [`Registry`] and labelled through typed label sets, so
+//! a name with given labels is one series by construction. Drafter series carry the drafter's
+//! `name` and its `instance` (its id in the admin registry): the same drafter swapped in twice is
+//! two instances, never two copies of one series. Drafter series are fed by [`Metered`], a
+//! [`Proposer`] wrapper the server puts around every drafter it installs, so all drafter kinds
+//! (process, in-process) are measured the same way. Process metrics (`process_*`) are read from
+//! `/proc/self` at each scrape.
 
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
 use specula_models::sampling::SamplingParams;
 
 use super::AppState;
+use crate::engine::{EngineCounters, EngineSeries, SeriesKind};
 use crate::proposer::{Draft, DraftBatch, Health, Proposer, SessionId, TapRows, Verdict, Wants};
 
-/// A latency histogram with fixed bucket bounds (seconds).
-pub struct Histogram {
-    bounds: &'static [f64],
-    counts: Vec<AtomicU64>,
-    sum_us: AtomicU64,
-    count: AtomicU64,
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    endpoint: String,
+    status: String,
 }
 
-/// Bounds for drafter round trips: 50 µs .. 1 s.
-const RTT_BOUNDS: &[f64] = &[
-    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
-];
-/// Bounds for request-level latencies: 10 ms .. 5 min.
-const REQUEST_BOUNDS: &[f64] = &[
-    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
-];
-
-impl Histogram {
-    fn new(bounds: &'static [f64]) -> Self {
-        Histogram {
-            bounds,
-            counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
-            sum_us: AtomicU64::new(0),
-            count: AtomicU64::new(0),
-        }
-    }
-
-    /// Records one observation.
-    pub fn observe(&self, d: Duration) {
-        let s = d.as_secs_f64();
-        if let Some(i) = self.bounds.iter().position(|&b| s <= b) {
-            self.counts[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.sum_us
-            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
-        let sep = if labels.is_empty() { "" } else { "," };
-        let mut cumulative = 0;
-        for (b, c) in self.bounds.iter().zip(&self.counts) {
-            cumulative += c.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{b}\"}} {cumulative}");
-        }
-        let count = self.count.load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {count}");
-        let sum = self.sum_us.load(Ordering::Relaxed) as f64 / 1e6;
-        let braced = if labels.is_empty() {
-            String::new()
-        } else {
-            format!("{{{labels}}}")
-        };
-        let _ = writeln!(out, "{name}_sum{braced} {sum}");
-        let _ = writeln!(out, "{name}_count{braced} {count}");
-    }
+/// Labels of a drafter series: its name and its instance id.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DrafterLabels {
+    /// The drafter's name (`ngram`).
+    pub drafter: String,
+    /// Its id in the admin registry (1, 2, ... in installation order).
+    pub instance: String,
 }
 
-/// Counters of one drafter name.
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn rtt_histogram() -> Histogram {
+    // 50 µs .. ~1.6 s.
+    Histogram::new(exponential_buckets(0.00005, 2.0, 16))
+}
+
+fn request_buckets() -> impl Iterator<Item = f64> {
+    // 10 ms .. ~5 min.
+    exponential_buckets(0.01, 2.0, 15)
+}
+
+/// Counters of one drafter instance.
 pub struct DrafterMeter {
     /// Drafts offered to the target.
     pub drafted: AtomicU64,
     /// Drafts accepted.
     pub accepted: AtomicU64,
-    /// Rounds with drafts.
-    pub rounds: AtomicU64,
-    /// Time of each draft call (request → drafts back).
-    pub round_trip: Histogram,
+    labels: DrafterLabels,
+    metrics: Arc<Inner>,
 }
 
 impl DrafterMeter {
@@ -99,33 +75,199 @@ impl DrafterMeter {
             self.accepted.load(Ordering::Relaxed) as f64 / d as f64
         }
     }
+
+    fn round(&self, drafted: usize, accepted: usize) {
+        self.drafted.fetch_add(drafted as u64, Ordering::Relaxed);
+        self.accepted.fetch_add(accepted as u64, Ordering::Relaxed);
+        let m = &self.metrics;
+        m.drafted.get_or_create(&self.labels).inc_by(drafted as u64);
+        m.accepted
+            .get_or_create(&self.labels)
+            .inc_by(accepted as u64);
+        m.rounds.get_or_create(&self.labels).inc();
+        m.acceptance
+            .get_or_create(&self.labels)
+            .set(self.acceptance_rate());
+    }
+}
+
+struct Inner {
+    requests: Family<RequestLabels, Counter>,
+    prompt_tokens: Counter,
+    generation_tokens: Counter,
+    cancelled: Counter,
+    queue_depth: Gauge,
+    ttft: Histogram,
+    tpot: Histogram,
+    duration: Histogram,
+    drafted: Family<DrafterLabels, Counter>,
+    accepted: Family<DrafterLabels, Counter>,
+    rounds: Family<DrafterLabels, Counter>,
+    acceptance: Family<DrafterLabels, Gauge<f64, AtomicU64>>,
+    round_trip: HistogramFamily<DrafterLabels>,
+    restarts: Family<DrafterLabels, Counter>,
+    cpu_seconds: Counter<f64, AtomicU64>,
+    resident_bytes: Gauge,
+    open_fds: Gauge,
+    start_time: Gauge<f64, AtomicU64>,
+    /// The engine's series by name, in [`EngineCounters::series`] order.
+    engine_gauges: Vec<Gauge<f64, AtomicU64>>,
+    engine_counters: Vec<Counter<f64, AtomicU64>>,
 }
 
 /// Everything `/metrics` reports.
 pub struct Metrics {
-    requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
-    prompt_tokens: AtomicU64,
-    generation_tokens: AtomicU64,
-    cancelled: AtomicU64,
-    ttft: Histogram,
-    duration: Histogram,
-    drafters: Mutex<BTreeMap<String, Arc<DrafterMeter>>>,
+    inner: Arc<Inner>,
+    registry: Registry,
     restarts: Mutex<Option<RestartSource>>,
 }
 
-/// Reads the supervisor's restart count of the current drafter.
-pub type RestartSource = Box<dyn Fn() -> Vec<(String, u64)> + Send>;
+/// Reads the supervisors' restart counts: (labels, restarts) per drafter instance.
+pub type RestartSource = Box<dyn Fn() -> Vec<(DrafterLabels, u64)> + Send>;
 
 impl Default for Metrics {
     fn default() -> Self {
+        let inner = Arc::new(Inner {
+            requests: Family::default(),
+            prompt_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            cancelled: Counter::default(),
+            queue_depth: Gauge::default(),
+            ttft: Histogram::new(request_buckets()),
+            // 1 ms .. ~2 s per token.
+            tpot: Histogram::new(exponential_buckets(0.001, 2.0, 12)),
+            duration: Histogram::new(request_buckets()),
+            drafted: Family::default(),
+            accepted: Family::default(),
+            rounds: Family::default(),
+            acceptance: Family::default(),
+            round_trip: Family::new_with_constructor(rtt_histogram),
+            restarts: Family::default(),
+            cpu_seconds: Counter::default(),
+            resident_bytes: Gauge::default(),
+            open_fds: Gauge::default(),
+            start_time: Gauge::default(),
+            engine_gauges: engine_series(SeriesKind::Gauge).map(|_| Gauge::default()).collect(),
+            engine_counters: engine_series(SeriesKind::Counter)
+                .map(|_| Counter::default())
+                .collect(),
+        });
+        let started = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        inner.start_time.set(started);
+        let mut r = Registry::default();
+        let i = &inner;
+        for ((name, _, help, _), g) in engine_series(SeriesKind::Gauge).zip(&i.engine_gauges) {
+            r.register(name, help, g.clone());
+        }
+        for ((name, _, help, _), c) in engine_series(SeriesKind::Counter).zip(&i.engine_counters) {
+            // prometheus-client appends `_total` to counters itself.
+            r.register(name.trim_end_matches("_total"), help, c.clone());
+        }
+        r.register(
+            "specula_requests",
+            "HTTP API requests by endpoint and status",
+            i.requests.clone(),
+        );
+        r.register(
+            "specula_prompt_tokens",
+            "Prompt tokens of finished generations",
+            i.prompt_tokens.clone(),
+        );
+        r.register(
+            "specula_generation_tokens",
+            "Tokens generated",
+            i.generation_tokens.clone(),
+        );
+        r.register(
+            "specula_cancelled_requests",
+            "Generations cancelled by a client disconnect",
+            i.cancelled.clone(),
+        );
+        r.register(
+            "specula_queue_depth",
+            "Requests waiting or running in the engine",
+            i.queue_depth.clone(),
+        );
+        let seconds = |r: &mut Registry, name: &str, help: &str, m: Histogram| {
+            r.register_with_unit(name, help, Unit::Seconds, m);
+        };
+        seconds(
+            &mut r,
+            "specula_time_to_first_token",
+            "Time from request to first token",
+            i.ttft.clone(),
+        );
+        seconds(
+            &mut r,
+            "specula_time_per_output_token",
+            "Mean time between output tokens of a request, after the first",
+            i.tpot.clone(),
+        );
+        seconds(
+            &mut r,
+            "specula_request_duration",
+            "Time from request to last token",
+            i.duration.clone(),
+        );
+        r.register(
+            "specula_drafted_tokens",
+            "Draft tokens offered to the target",
+            i.drafted.clone(),
+        );
+        r.register(
+            "specula_accepted_tokens",
+            "Draft tokens the target accepted",
+            i.accepted.clone(),
+        );
+        r.register(
+            "specula_draft_rounds",
+            "Verify rounds that had drafts",
+            i.rounds.clone(),
+        );
+        r.register(
+            "specula_acceptance_rate",
+            "Accepted / drafted tokens",
+            i.acceptance.clone(),
+        );
+        r.register_with_unit(
+            "specula_drafter_round_trip",
+            "Time of one draft request to the drafter",
+            Unit::Seconds,
+            i.round_trip.clone(),
+        );
+        r.register(
+            "specula_drafter_restarts",
+            "Drafter process restarts by the supervisor",
+            i.restarts.clone(),
+        );
+        r.register_with_unit(
+            "process_cpu",
+            "User and system CPU time of the server process",
+            Unit::Seconds,
+            i.cpu_seconds.clone(),
+        );
+        r.register_with_unit(
+            "process_resident_memory",
+            "Resident memory of the server process",
+            Unit::Bytes,
+            i.resident_bytes.clone(),
+        );
+        r.register(
+            "process_open_fds",
+            "Open file descriptors",
+            i.open_fds.clone(),
+        );
+        r.register_with_unit(
+            "process_start_time",
+            "Start time of the process since the Unix epoch",
+            Unit::Seconds,
+            i.start_time.clone(),
+        );
         Metrics {
-            requests: Mutex::default(),
-            prompt_tokens: AtomicU64::new(0),
-            generation_tokens: AtomicU64::new(0),
-            cancelled: AtomicU64::new(0),
-            ttft: Histogram::new(REQUEST_BOUNDS),
-            duration: Histogram::new(REQUEST_BOUNDS),
-            drafters: Mutex::default(),
+            inner,
+            registry: r,
             restarts: Mutex::default(),
         }
     }
@@ -139,42 +281,54 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Metrics {
     /// Counts one answered request.
     pub fn request(&self, endpoint: &'static str, status: u16) {
-        *lock(&self.requests).entry((endpoint, status)).or_default() += 1;
+        self.inner
+            .requests
+            .get_or_create(&RequestLabels {
+                endpoint: endpoint.into(),
+                status: status.to_string(),
+            })
+            .inc();
     }
 
-    /// Counts a finished generation.
-    pub fn generation(&self, prompt_tokens: usize, generated: usize, started: Instant) {
-        self.prompt_tokens
-            .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
-        self.generation_tokens
-            .fetch_add(generated as u64, Ordering::Relaxed);
-        self.duration.observe(started.elapsed());
+    /// Counts a finished generation that started at `started` and showed its first token at
+    /// `first_token` (if it had any).
+    pub fn generation(
+        &self,
+        prompt_tokens: usize,
+        generated: usize,
+        started: Instant,
+        first_token: Option<Instant>,
+    ) {
+        self.inner.prompt_tokens.inc_by(prompt_tokens as u64);
+        self.inner.generation_tokens.inc_by(generated as u64);
+        self.inner.duration.observe(started.elapsed().as_secs_f64());
+        if let Some(first) = first_token.filter(|_| generated > 1) {
+            let per = first.elapsed().as_secs_f64() / (generated - 1) as f64;
+            self.inner.tpot.observe(per);
+        }
     }
 
     /// Counts a generation the client walked away from.
     pub fn cancelled(&self) {
-        self.cancelled.fetch_add(1, Ordering::Relaxed);
+        self.inner.cancelled.inc();
     }
 
     /// Records a time to first token.
     pub fn first_token(&self, started: Instant) {
-        self.ttft.observe(started.elapsed());
+        self.inner.ttft.observe(started.elapsed().as_secs_f64());
     }
 
-    /// The meter of drafter `name` (created on first use; a name swapped in twice keeps
-    /// counting where it left off, as Prometheus counters must).
-    pub fn drafter(&self, name: &str) -> Arc<DrafterMeter> {
-        lock(&self.drafters)
-            .entry(name.to_string())
-            .or_insert_with(|| {
-                Arc::new(DrafterMeter {
-                    drafted: AtomicU64::new(0),
-                    accepted: AtomicU64::new(0),
-                    rounds: AtomicU64::new(0),
-                    round_trip: Histogram::new(RTT_BOUNDS),
-                })
-            })
-            .clone()
+    /// The meter of drafter instance `instance` named `name`.
+    pub fn drafter(&self, name: &str, instance: u64) -> Arc<DrafterMeter> {
+        Arc::new(DrafterMeter {
+            drafted: AtomicU64::new(0),
+            accepted: AtomicU64::new(0),
+            labels: DrafterLabels {
+                drafter: name.to_string(),
+                instance: instance.to_string(),
+            },
+            metrics: self.inner.clone(),
+        })
     }
 
     /// Sets where drafter restart counts come from.
@@ -182,152 +336,75 @@ impl Metrics {
         *lock(&self.restarts) = Some(source);
     }
 
-    /// The Prometheus text.
-    pub fn render(&self, queue_depth: usize) -> String {
-        let mut out = String::new();
-        let mut family = |out: &mut String, name: &str, kind: &str, help: &str| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        };
-        family(
-            &mut out,
-            "specula_requests_total",
-            "counter",
-            "HTTP API requests by endpoint and status.",
-        );
-        for ((endpoint, status), n) in lock(&self.requests).iter() {
-            let _ = writeln!(
-                out,
-                "specula_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {n}"
-            );
+    /// The OpenMetrics text, with the engine's `queue_depth` and `engine` counters.
+    pub fn render(&self, queue_depth: usize, engine: &EngineCounters) -> String {
+        let i = &self.inner;
+        i.queue_depth.set(queue_depth as i64);
+        let series = engine.series();
+        let of = |kind| series.iter().filter(move |s| s.1 == kind);
+        for ((_, _, _, v), g) in of(SeriesKind::Gauge).zip(&i.engine_gauges) {
+            g.set(*v);
         }
-        let counters = [
-            (
-                "specula_prompt_tokens_total",
-                "Prompt tokens of finished generations.",
-                &self.prompt_tokens,
-            ),
-            (
-                "specula_generation_tokens_total",
-                "Tokens generated.",
-                &self.generation_tokens,
-            ),
-            (
-                "specula_cancelled_requests_total",
-                "Generations cancelled by a client disconnect.",
-                &self.cancelled,
-            ),
-        ];
-        for (name, help, v) in counters {
-            family(&mut out, name, "counter", help);
-            let _ = writeln!(out, "{name} {}", v.load(Ordering::Relaxed));
+        for ((_, _, _, v), c) in of(SeriesKind::Counter).zip(&i.engine_counters) {
+            // Counters only go up: add what the engine counted since the last scrape.
+            c.inc_by((v - c.get()).max(0.0));
         }
-        family(
-            &mut out,
-            "specula_queue_depth",
-            "gauge",
-            "Requests waiting or running in the engine.",
-        );
-        let _ = writeln!(out, "specula_queue_depth {queue_depth}");
-        family(
-            &mut out,
-            "specula_time_to_first_token_seconds",
-            "histogram",
-            "Time from request to first token.",
-        );
-        self.ttft
-            .render(&mut out, "specula_time_to_first_token_seconds", "");
-        family(
-            &mut out,
-            "specula_request_duration_seconds",
-            "histogram",
-            "Time from request to last token.",
-        );
-        self.duration
-            .render(&mut out, "specula_request_duration_seconds", "");
-        self.render_drafters(&mut out, &mut family);
-        out
-    }
-
-    fn render_drafters(
-        &self,
-        out: &mut String,
-        family: &mut dyn FnMut(&mut String, &str, &str, &str),
-    ) {
-        let drafters = lock(&self.drafters);
-        type Series = (&'static str, &'static str, fn(&DrafterMeter) -> String);
-        let series: [Series; 4] = [
-            (
-                "specula_drafted_tokens_total",
-                "Draft tokens offered to the target.",
-                |m| m.drafted.load(Ordering::Relaxed).to_string(),
-            ),
-            (
-                "specula_accepted_tokens_total",
-                "Draft tokens the target accepted.",
-                |m| m.accepted.load(Ordering::Relaxed).to_string(),
-            ),
-            (
-                "specula_draft_rounds_total",
-                "Verify rounds that had drafts.",
-                |m| m.rounds.load(Ordering::Relaxed).to_string(),
-            ),
-            (
-                "specula_acceptance_rate",
-                "Accepted / drafted tokens.",
-                |m| m.acceptance_rate().to_string(),
-            ),
-        ];
-        for (name, help, value) in series {
-            let kind = if name.ends_with("_total") {
-                "counter"
-            } else {
-                "gauge"
-            };
-            family(out, name, kind, help);
-            for (drafter, m) in drafters.iter() {
-                let _ = writeln!(
-                    out,
-                    "{name}{{drafter=\"{}\"}} {}",
-                    escape(drafter),
-                    value(m)
-                );
-            }
-        }
-        let name = "specula_drafter_round_trip_seconds";
-        family(
-            out,
-            name,
-            "histogram",
-            "Time of one draft request to the drafter.",
-        );
-        for (drafter, m) in drafters.iter() {
-            m.round_trip
-                .render(out, name, &format!("drafter=\"{}\"", escape(drafter)));
-        }
-        drop(drafters);
-        family(
-            out,
-            "specula_drafter_restarts_total",
-            "counter",
-            "Drafter process restarts by the supervisor.",
-        );
         if let Some(source) = lock(&self.restarts).as_ref() {
-            for (drafter, n) in source() {
-                let _ = writeln!(
-                    out,
-                    "specula_drafter_restarts_total{{drafter=\"{}\"}} {n}",
-                    escape(&drafter)
-                );
+            for (labels, n) in source() {
+                let c = i.restarts.get_or_create(&labels);
+                // Counters only go up: add what the supervisor counted since the last scrape.
+                c.inc_by(n.saturating_sub(c.get()));
             }
         }
+        if let Some(p) = ProcessStats::read() {
+            i.cpu_seconds
+                .inc_by((p.cpu_seconds - i.cpu_seconds.get()).max(0.0));
+            i.resident_bytes.set(p.resident_bytes as i64);
+            i.open_fds.set(p.open_fds as i64);
+        }
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("invariant: encoding into a String cannot fail");
+        out
     }
 }
 
-/// Escapes a Prometheus label value.
-fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
+/// The engine's series of one kind, in [`EngineCounters::series`] order.
+fn engine_series(kind: SeriesKind) -> impl Iterator<Item = EngineSeries> {
+    EngineCounters::default()
+        .series()
+        .into_iter()
+        .filter(move |s| s.1 == kind)
+}
+
+/// What `/proc/self` says about this process.
+struct ProcessStats {
+    cpu_seconds: f64,
+    resident_bytes: u64,
+    open_fds: usize,
+}
+
+impl ProcessStats {
+    /// `None` where `/proc` is not mounted.
+    fn read() -> Option<ProcessStats> {
+        // Linux reports times in USER_HZ, which the kernel ABI fixes at 100.
+        const TICKS: f64 = 100.0;
+        const PAGE: u64 = 4096;
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        // Fields after the parenthesised command (which may contain spaces).
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        // utime and stime are fields 14 and 15 of the whole line: 12 and 13 after `)`.
+        let ticks: f64 =
+            fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+        let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+        let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+        let open_fds = std::fs::read_dir("/proc/self/fd").ok()?.count();
+        Some(ProcessStats {
+            cpu_seconds: ticks / TICKS,
+            resident_bytes: pages * PAGE,
+            open_fds,
+        })
+    }
 }
 
 /// `GET /metrics`.
@@ -335,17 +412,14 @@ pub async fn handler(State(state): State<Arc<AppState>>) -> Response {
     state.metrics.request("metrics", 200);
     // Restart counts come from drafter clients, which answer between proposer calls.
     let render = tokio::task::spawn_blocking(move || {
-        // The engine's own series (running/waiting, pool, batch rows, chosen k, prefix
-        // cache) are rendered by the engine.
-        let mut text = state.metrics.render(state.engine.queue_depth());
-        state.engine.counters().render(&mut text);
-        text
+        let engine = state.engine.counters();
+        state.metrics.render(state.engine.queue_depth(), &engine)
     });
     match render.await {
         Ok(body) => (
             [(
                 header::CONTENT_TYPE,
-                "text/plain; version=0.0.4; charset=utf-8",
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
             )],
             body,
         )
@@ -361,9 +435,8 @@ pub struct Metered {
 }
 
 impl Metered {
-    /// Wraps `inner`, counting into the meter of its name.
-    pub fn new(inner: Box<dyn Proposer>, metrics: &Metrics) -> Self {
-        let meter = metrics.drafter(inner.name());
+    /// Wraps `inner`, counting into `meter`.
+    pub fn new(inner: Box<dyn Proposer>, meter: Arc<DrafterMeter>) -> Self {
         Metered { inner, meter }
     }
 }
@@ -390,18 +463,16 @@ impl Proposer for Metered {
     fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
         let started = Instant::now();
         let drafts = self.inner.draft(batch);
-        self.meter.round_trip.observe(started.elapsed());
+        self.meter
+            .metrics
+            .round_trip
+            .get_or_create(&self.meter.labels)
+            .observe(started.elapsed().as_secs_f64());
         drafts
     }
 
     fn commit(&mut self, session: SessionId, verdict: &Verdict<'_>) {
-        self.meter
-            .drafted
-            .fetch_add(verdict.drafted as u64, Ordering::Relaxed);
-        self.meter
-            .accepted
-            .fetch_add(verdict.accepted as u64, Ordering::Relaxed);
-        self.meter.rounds.fetch_add(1, Ordering::Relaxed);
+        self.meter.round(verdict.drafted, verdict.accepted);
         self.inner.commit(session, verdict);
     }
 
@@ -423,41 +494,46 @@ mod tests {
     use super::*;
 
     #[test]
-    fn histogram_buckets_are_cumulative() {
-        let h = Histogram::new(&[0.001, 0.01]);
-        h.observe(Duration::from_micros(500));
-        h.observe(Duration::from_millis(5));
-        h.observe(Duration::from_secs(1));
-        let mut out = String::new();
-        h.render(&mut out, "x", "a=\"b\"");
-        assert!(out.contains("x_bucket{a=\"b\",le=\"0.001\"} 1\n"), "{out}");
-        assert!(out.contains("x_bucket{a=\"b\",le=\"0.01\"} 2\n"), "{out}");
-        assert!(out.contains("x_bucket{a=\"b\",le=\"+Inf\"} 3\n"), "{out}");
-        assert!(out.contains("x_count{a=\"b\"} 3\n"), "{out}");
-    }
-
-    #[test]
-    fn render_reports_requests_tokens_and_drafters() {
+    fn render_reports_requests_tokens_drafters_and_process() {
         let m = Metrics::default();
         m.request("chat", 200);
         m.request("chat", 200);
         m.request("completions", 400);
-        m.generation(7, 3, Instant::now());
-        let d = m.drafter("ngram");
-        d.drafted.fetch_add(10, Ordering::Relaxed);
-        d.accepted.fetch_add(4, Ordering::Relaxed);
-        let text = m.render(2);
-        assert!(text.contains("specula_requests_total{endpoint=\"chat\",status=\"200\"} 2\n"));
+        m.generation(7, 3, Instant::now(), Some(Instant::now()));
+        let d = m.drafter("ngram", 1);
+        d.round(10, 4);
+        // A second instance of the same drafter is its own series.
+        m.drafter("ngram", 2).round(2, 2);
+        m.set_restart_source(Box::new(|| {
+            vec![(
+                DrafterLabels {
+                    drafter: "ngram".into(),
+                    instance: "1".into(),
+                },
+                3,
+            )]
+        }));
+        let text = m.render(2, &EngineCounters::default());
+        for line in [
+            "specula_requests_total{endpoint=\"chat\",status=\"200\"} 2\n",
+            "specula_requests_total{endpoint=\"completions\",status=\"400\"} 1\n",
+            "specula_prompt_tokens_total 7\n",
+            "specula_generation_tokens_total 3\n",
+            "specula_queue_depth 2\n",
+            "specula_acceptance_rate{drafter=\"ngram\",instance=\"1\"} 0.4\n",
+            "specula_acceptance_rate{drafter=\"ngram\",instance=\"2\"} 1.0\n",
+            "specula_drafter_restarts_total{drafter=\"ngram\",instance=\"1\"} 3\n",
+            "specula_time_per_output_token_seconds_count 1\n",
+        ] {
+            assert!(text.contains(line), "{line:?} missing:\n{text}");
+        }
+        assert!(text.contains("process_resident_memory_bytes "), "{text}");
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        // Scraping again neither duplicates nor double counts.
+        let again = m.render(2, &EngineCounters::default());
         assert!(
-            text.contains("specula_requests_total{endpoint=\"completions\",status=\"400\"} 1\n")
+            again.contains("specula_drafter_restarts_total{drafter=\"ngram\",instance=\"1\"} 3\n")
         );
-        assert!(text.contains("specula_prompt_tokens_total 7\n"));
-        assert!(text.contains("specula_generation_tokens_total 3\n"));
-        assert!(text.contains("specula_queue_depth 2\n"));
-        assert!(text.contains("specula_acceptance_rate{drafter=\"ngram\"} 0.4\n"));
-        assert!(
-            Arc::ptr_eq(&d, &m.drafter("ngram")),
-            "a name keeps its meter"
-        );
+        assert_eq!(again.matches("specula_drafter_restarts_total{").count(), 1);
     }
 }

@@ -5,6 +5,7 @@
 //! |---|---|
 //! | `POST /v1/completions` | [`completions`] |
 //! | `POST /v1/chat/completions` | [`chat`] |
+//! | `POST /v1/messages` (Anthropic) | [`anthropic`] |
 //! | `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` | [`models`] |
 //! | `POST /tokenize`, `POST /detokenize`, `GET /version` | [`tokenize`] |
 //! | `GET /metrics` | [`metrics`] |
@@ -17,6 +18,7 @@
 
 pub mod admin;
 mod admission;
+pub mod anthropic;
 pub mod auth;
 pub mod chat;
 pub mod completions;
@@ -258,6 +260,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     let api = Router::new()
         .route("/v1/completions", post(completions::handler))
         .route("/v1/chat/completions", post(chat::handler))
+        .route("/v1/messages", post(anthropic::handler))
         .route("/v1/models", get(models::list))
         .route("/v1/models/{id}", get(models::retrieve))
         .route("/tokenize", post(tokenize::tokenize))

@@ -37,7 +37,7 @@ pub struct Tracker {
     metrics: Arc<Metrics>,
     endpoint: &'static str,
     started: Instant,
-    first_token_seen: bool,
+    first_token: Option<Instant>,
     finished: bool,
 }
 
@@ -48,14 +48,14 @@ impl Tracker {
             metrics,
             endpoint,
             started: Instant::now(),
-            first_token_seen: false,
+            first_token: None,
             finished: false,
         }
     }
 
     fn token(&mut self) {
-        if !self.first_token_seen {
-            self.first_token_seen = true;
+        if self.first_token.is_none() {
+            self.first_token = Some(Instant::now());
             self.metrics.first_token(self.started);
         }
     }
@@ -69,6 +69,7 @@ impl Tracker {
                     g.stats.prompt_tokens,
                     g.stats.generated_tokens,
                     self.started,
+                    self.first_token,
                 );
             }
             Err(_) => self.metrics.request(self.endpoint, 500),
@@ -143,29 +144,49 @@ pub trait Chunks: Send + 'static {
     fn start(&mut self) -> Vec<serde_json::Value>;
     /// The payload for one token, or `None` when it carries nothing to show.
     fn token(&mut self, token: TokenOut) -> Option<serde_json::Value>;
-    /// The last content chunk (with `finish_reason`).
-    fn finish(&mut self, generation: &Generation) -> serde_json::Value;
+    /// The last content chunks (with `finish_reason`).
+    fn finish(&mut self, generation: &Generation) -> Vec<serde_json::Value>;
     /// The usage chunk (empty `choices`).
     fn usage(&mut self, usage: Usage) -> serde_json::Value;
+    /// The payload that reports a failure mid-stream.
+    fn error(&mut self, e: &ApiError) -> serde_json::Value {
+        e.to_json()
+    }
+    /// The last `data:` line, after everything (OpenAI's `[DONE]`).
+    fn done(&self) -> Option<&'static str> {
+        Some("[DONE]")
+    }
+    /// Name each event after its payload's `type` (`event: message_start`), as Anthropic's
+    /// stream does.
+    fn named_events(&self) -> bool {
+        false
+    }
 }
 
-fn data(v: &serde_json::Value) -> SseEvent {
-    SseEvent::default().data(v.to_string())
+fn frame(v: &serde_json::Value, named: bool) -> SseEvent {
+    let ev = SseEvent::default().data(v.to_string());
+    match (named, v["type"].as_str()) {
+        (true, Some(t)) => ev.event(t),
+        _ => ev,
+    }
 }
 
 /// Streams the request as server-sent events: `data: {chunk}` lines and a final
-/// `data: [DONE]`. An engine failure is sent as an OpenAI error body before `[DONE]`.
+/// `data: [DONE]` (or what the [`Chunks`] say). An engine failure is sent as an error body
+/// before the end.
 pub fn sse<C: Chunks>(
     rx: UnboundedReceiver<Event>,
     mut chunks: C,
     include_usage: bool,
     tracker: Tracker,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let named = chunks.named_events();
+    let data = move |v: &serde_json::Value| frame(v, named);
     let head: Vec<SseEvent> = chunks.start().iter().map(data).collect();
     let body = stream::unfold(Some((rx, chunks, tracker)), move |state| async move {
         let (mut rx, mut chunks, mut tracker) = state?;
         let ev = rx.recv().await;
-        let out: Vec<SseEvent> = match ev {
+        let mut out: Vec<SseEvent> = match ev {
             Some(Event::Token { id, text, logprob }) => {
                 tracker.token();
                 let payload = chunks.token(TokenOut { id, text, logprob });
@@ -178,19 +199,23 @@ pub fn sse<C: Chunks>(
                 tracker.finish(&result);
                 match result {
                     Ok(g) => {
-                        let mut out = vec![data(&chunks.finish(&g))];
+                        let mut out: Vec<SseEvent> = chunks.finish(&g).iter().map(data).collect();
                         if include_usage {
                             out.push(data(&chunks.usage(Usage::from_stats(&g.stats))));
                         }
                         out
                     }
-                    Err(e) => vec![data(&engine_error(e).to_json())],
+                    Err(e) => vec![data(&chunks.error(&engine_error(e)))],
                 }
             }
-            None => vec![data(&tracker.lost().to_json())],
+            None => {
+                let e = tracker.lost();
+                vec![data(&chunks.error(&e))]
+            }
         };
-        let mut out = out;
-        out.push(SseEvent::default().data("[DONE]"));
+        if let Some(done) = chunks.done() {
+            out.push(SseEvent::default().data(done));
+        }
         Some((out, None))
     });
     let events = stream::iter(head)
