@@ -176,9 +176,9 @@ mod tests {
         let ids = [3u32, 17, 42, 5];
         let mut cache = model.new_cache();
         let req = ForwardRequest {
-            last_k: ids.len(),
+            logits: crate::batch::Rows::All,
             taps: vec![crate::TapId::Layer(1), crate::TapId::FinalNorm],
-            taps_all_positions: true,
+            tap_rows: crate::batch::Rows::All,
         };
         let out = model.forward(&ids, &mut cache, &req).unwrap();
         let last_layer = &out.taps[0].1;

@@ -159,7 +159,7 @@ impl DFlash {
         let block = block_size(&config, &self.options)?;
         let (sources, caps) = plan(&config, target.num_layers as usize, block);
         let max_pos = target.context_len as usize + block + 1;
-        let backbone = Backbone::load(&config, &tensors, max_pos, &self.device)?;
+        let backbone = Backbone::load(&config, &tensors, max_pos)?;
         let heads = match &config.dspark {
             Some(h) => Some(Heads::load(
                 h,

@@ -17,7 +17,7 @@
 //!  q rows   [ all visible             | all visible ]       (g × B rows)
 //! ```
 
-use candle_core::{Device, Tensor, D};
+use candle_core::{Tensor, D};
 use specula_models::layers::{Linear, Mlp, RmsNorm, Rope, RopeStyle};
 
 use crate::config::DraftConfig;
@@ -88,7 +88,6 @@ impl Backbone {
         c: &DraftConfig,
         t: &Tensors,
         max_pos: usize,
-        device: &Device,
     ) -> Result<Self, Error> {
         let (h, hd, eps) = (c.hidden_size, c.head_dim, c.rms_norm_eps);
         let (q, kv) = (c.num_heads * hd, c.num_kv_heads * hd);

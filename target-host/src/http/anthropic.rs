@@ -208,7 +208,10 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
     let input_tokens = prompt_ids.len();
     let stops = checked.stop.clone();
     let (gen_req, plan) = checked.into_request(state, prompt_ids, None, "messages")?;
-    let rx = state.engine.submit(gen_req);
+    let rx = match super::admission::submit(state, "messages", gen_req) {
+        Ok(rx) => rx,
+        Err(refused) => return Ok(*refused),
+    };
     let tracker = Tracker::new(state.metrics.clone(), "messages");
     let mut events = MessageEvents {
         // Anthropic ids look like `msg_01…`.
