@@ -14,13 +14,9 @@
 //!
 //! ```text
 //!  W  [n, k] raw GGUF blocks               X  [m, k] f32 -> m rows of k/32 (u8 q[32], d, s)
-//!  for each task of ROWS_PER_TASK weight rows (rayon):
-//!    m <= TILE_FROM (verify windows):
-//!      for each weight row j: unpack W[j] -> k/32 Blocks (i8 q[32], scales, min), in L1
-//!        for each activation row r:  y[r, j] = dot(Blocks_j, X[r])   (same code for every r)
-//!    m > TILE_FROM (prefill chunks):
-//!      unpack the task's rows once; for each tile of ACT_TILE activation rows (kept in L1):
-//!        for each weight row j:  y[r, j] = dot(Blocks_j, X[r])       (the same dot)
+//!  for each weight row j (rayon, ROWS_PER_TASK per task):
+//!    unpack W[j] -> k/32 Blocks (i8 q[32], scales, min)    (once per call, in L1)
+//!    for each activation row r:  y[r, j] = dot(Blocks, X[r])   (same code for every r)
 //! ```
 //!
 //! Reference: ggml's `vec_dot_q*_q8_*` (`ggml-cpu/arch/x86/quants.c`); the per-lane integer
@@ -44,13 +40,6 @@ use unpack::{Block, QK};
 
 /// Weight rows per rayon task: enough work to amortise scheduling.
 const ROWS_PER_TASK: usize = 16;
-
-/// Calls with more activation rows than this go by tiles of [`ACT_TILE`] rows (the loop
-/// order only: every output gets the same arithmetic).
-const TILE_FROM: usize = 32;
-
-/// Activation rows dotted with a task's unpacked weight rows before the next ones.
-const ACT_TILE: usize = 8;
 
 /// Whether [`matmul`] handles weights of this type.
 pub fn supports(dtype: GgmlDType) -> bool {
@@ -121,7 +110,7 @@ impl Acts {
 }
 
 thread_local! {
-    /// A task's unpacked weight rows, per worker thread, reused across calls.
+    /// One unpacked weight row per worker thread, reused across calls.
     static UNPACKED: RefCell<Vec<Block>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -138,11 +127,6 @@ struct Operands<'a> {
 
 /// The products of weight rows `j0..j0 + out.len() / m` with all activation rows:
 /// `out[(j - j0) * m + r] = y[r, j]`.
-///
-/// Past [`TILE_FROM`] rows the task's weight rows are unpacked once into the buffer and the
-/// activation rows go by in tiles of [`ACT_TILE`], each tile dotted with every unpacked row
-/// while it is in L1 (a 512-row prefill chunk would otherwise stream all activations once
-/// per weight row).
 #[inline(always)]
 fn rows_task(
     ops: Operands,
@@ -158,38 +142,18 @@ fn rows_task(
         acts,
     } = ops;
     let rows = acts.rows();
-    let m = rows.len();
-    let kb = acts.k / QK;
-    let n_rows = out.len() / m;
     let has_min = unpack::has_min(dtype);
     UNPACKED.with(|buf| {
         let mut buf = buf.borrow_mut();
-        if m <= TILE_FROM {
-            buf.resize(kb, Block::default());
-            for (jj, ys) in out.chunks_exact_mut(m).enumerate() {
-                let j = j0 + jj;
-                unpack_row(
-                    dtype,
-                    &weights[j * row_bytes..(j + 1) * row_bytes],
-                    &mut buf,
-                );
-                dot::dot_rows(isa, &buf, has_min, &rows, ys);
-            }
-            return;
-        }
-        buf.resize(n_rows * kb, Block::default());
-        for (jj, blocks) in buf.chunks_exact_mut(kb).enumerate() {
+        buf.resize(acts.k / QK, Block::default());
+        for (jj, ys) in out.chunks_exact_mut(rows.len()).enumerate() {
             let j = j0 + jj;
-            unpack_row(dtype, &weights[j * row_bytes..(j + 1) * row_bytes], blocks);
-        }
-        let mut ys = [0f32; ACT_TILE];
-        for (t, tile) in rows.chunks(ACT_TILE).enumerate() {
-            let r0 = t * ACT_TILE;
-            for (jj, blocks) in buf.chunks_exact(kb).enumerate() {
-                let ys = &mut ys[..tile.len()];
-                dot::dot_rows(isa, blocks, has_min, tile, ys);
-                out[jj * m + r0..jj * m + r0 + tile.len()].copy_from_slice(ys);
-            }
+            unpack_row(
+                dtype,
+                &weights[j * row_bytes..(j + 1) * row_bytes],
+                &mut buf,
+            );
+            dot::dot_rows(isa, &buf, has_min, &rows, ys);
         }
     })
 }
