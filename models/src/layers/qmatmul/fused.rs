@@ -8,7 +8,7 @@
 //! it for every row: redoing the unpacking per row would cost more than the buffer. Both paths
 //! compute, per block, the same eight integer lane sums and the same f32 operations in the same
 //! order (see the `dot` module docs), so a decode step here is bit-identical to the same row
-//! of a verify chunk there (`rows_do_not_depend_on_chunk_size` checks it for every type).
+//! of a verify chunk there (`rows_do_not_depend_on_row_count` and `simd_builds_agree_exactly` check it for every type and path).
 //!
 //! ```text
 //!  for each pair of blocks (b even, b + 1):          (Q4_K/Q6_K: 8 blocks per super-block)

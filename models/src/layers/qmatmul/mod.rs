@@ -127,7 +127,6 @@ struct Operands<'a> {
 
 /// The products of weight rows `j0..j0 + out.len() / m` with all activation rows:
 /// `out[(j - j0) * m + r] = y[r, j]`.
-
 #[inline(always)]
 fn rows_task(
     ops: Operands,
