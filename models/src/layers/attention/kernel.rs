@@ -21,9 +21,9 @@
 //! ```
 //!
 //! Row `r` at position `p` reads keys `lo..=p` with `lo = p + 1 - window` for a sliding-window
-//! layer and 0 otherwise. The same code is compiled for AVX-512, AVX2 and the baseline target;
-//! its products are explicit fused multiply-adds (`mul_add`: one rounding everywhere, in
-//! hardware or in libm) and nothing is reassociated, so every path gives the same bits.
+//! layer and 0 otherwise. The same code is compiled for AVX-512, AVX2 and baseline x86-64 (and
+//! any other target); it has no fused multiply-adds and no reassociation, so every build gives
+//! the same bits.
 
 use rayon::prelude::*;
 
@@ -74,22 +74,24 @@ pub enum Path {
 impl Path {
     /// The widest path this CPU runs.
     pub fn detect() -> Self {
-        [Path::Avx512, Path::Avx2]
-            .into_iter()
-            .find(|p| p.available())
-            .unwrap_or(Path::Baseline)
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx512f") {
+                return Path::Avx512;
+            }
+            if std::is_x86_feature_detected!("avx2") {
+                return Path::Avx2;
+            }
+        }
+        Path::Baseline
     }
 
     fn available(self) -> bool {
         match self {
             #[cfg(target_arch = "x86_64")]
-            Path::Avx512 => {
-                std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("fma")
-            }
+            Path::Avx512 => std::is_x86_feature_detected!("avx512f"),
             #[cfg(target_arch = "x86_64")]
-            Path::Avx2 => {
-                std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-            }
+            Path::Avx2 => std::is_x86_feature_detected!("avx2"),
             #[cfg(not(target_arch = "x86_64"))]
             Path::Avx512 | Path::Avx2 => false,
             Path::Baseline => true,
@@ -180,27 +182,27 @@ impl Unit<'_> {
     fn run(&self, path: Path) -> Vec<f32> {
         match path {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `attend_on` takes this path only when the CPU has AVX-512F and FMA.
+            // SAFETY: `attend_on` takes this path only when the CPU has AVX-512F.
             Path::Avx512 => unsafe { self.run_avx512() },
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `attend_on` takes this path only when the CPU has AVX2 and FMA.
+            // SAFETY: `attend_on` takes this path only when the CPU has AVX2.
             Path::Avx2 => unsafe { self.run_avx2() },
             _ => self.run_body(),
         }
     }
 
     /// # Safety
-    /// The CPU must support AVX-512F and FMA.
+    /// The CPU must support AVX-512F.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,fma")]
+    #[target_feature(enable = "avx512f")]
     unsafe fn run_avx512(&self) -> Vec<f32> {
         self.run_body()
     }
 
     /// # Safety
-    /// The CPU must support AVX2 and FMA.
+    /// The CPU must support AVX2.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2")]
     unsafe fn run_avx2(&self) -> Vec<f32> {
         self.run_body()
     }
@@ -289,7 +291,7 @@ fn block_update(
             .try_into()
             .expect("invariant: a block row has BLOCK_SIZE keys");
         for j in 0..BLOCK_SIZE {
-            s[j] = qi.mul_add(kr[j], s[j]);
+            s[j] += qi * kr[j];
         }
     }
     let mut mb = f32::NEG_INFINITY;
@@ -324,7 +326,7 @@ fn block_update(
     for j in keys {
         let pj = p[j];
         for (a, &x) in st.acc.iter_mut().zip(&v[j * d..(j + 1) * d]) {
-            *a = pj.mul_add(x, *a);
+            *a += pj * x;
         }
     }
     *st.m = m_new;
@@ -345,7 +347,7 @@ fn tree_sum(p: &[f32; BLOCK_SIZE]) -> f32 {
 }
 
 /// `e^x` for `x <= 0` (Cephes `expf`: Cody-Waite reduction, degree-5 polynomial; ~1 ulp),
-/// written so that it vectorizes and gives the same bits on every path.
+/// written so that it vectorizes and gives the same bits on every build.
 #[inline(always)]
 fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
@@ -355,18 +357,16 @@ fn exp(x: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0;
     let x = x.clamp(-87.0, 88.0);
     let n = (x * LOG2E + MAGIC) - MAGIC;
-    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
-    let mut p = 1.987_569_1e-4f32;
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        0.5,
-    ] {
-        p = p.mul_add(r, c);
-    }
-    let p = p.mul_add(r * r, r) + 1.0;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let z = r * r;
+    let p = (((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
+        * r
+        + 1.666_666_5e-1)
+        * r
+        + 0.5)
+        * z
+        + r
+        + 1.0;
     let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
     p * scale
 }
