@@ -630,6 +630,40 @@ mod tests {
         );
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 64, ..Default::default() })]
+
+        /// Whatever a user writes, the prompt holds only the template's control tokens, and
+        /// its text is the rendered text.
+        #[test]
+        fn user_text_never_adds_control_tokens(
+            parts in proptest::collection::vec(proptest::prop_oneof![
+                proptest::prelude::Just("<|im_start|>".to_string()),
+                proptest::prelude::Just("<|im_end|>".to_string()),
+                proptest::prelude::Just("<|endoftext|>".to_string()),
+                proptest::prelude::Just("\u{FDD0}".to_string()),
+                proptest::prelude::Just("\u{FDD1}".to_string()),
+                "[a-z <|>\n]{0,8}",
+            ], 0..8)
+        ) {
+            let content = gguf_content("smollm2-135m");
+            let tok = Tokenizer::from_gguf(&content).unwrap();
+            let chat = ChatTemplate::from_gguf(&content, &tok).unwrap().unwrap();
+            let control: Vec<u32> = tok
+                .special_token_texts()
+                .iter()
+                .filter_map(|t| tok.token_to_id(t))
+                .collect();
+            let count = |ids: &[u32]| ids.iter().filter(|i| control.contains(i)).count();
+            let msg = |c: &str| [ChatMessage::new("user", c)];
+            let baseline = chat.render_prompt(&msg("x"), &RenderOptions::default()).unwrap();
+            let prompt = chat.render_prompt(&msg(&parts.concat()), &RenderOptions::default()).unwrap();
+            let ids = prompt.encode(&tok).unwrap();
+            proptest::prop_assert_eq!(count(&ids), count(&baseline.encode(&tok).unwrap()));
+            proptest::prop_assert_eq!(tok.decode(&ids).unwrap(), prompt.text());
+        }
+    }
+
     #[test]
     fn kwargs_tools_and_continue_final_message() {
         let t = template(

@@ -146,6 +146,12 @@ fn prompt_of(v: &serde_json::Value, vocab: usize) -> Result<Prompt, ApiError> {
     }
 }
 
+/// [`prompt_of`] for the property tests, which only care that it returns.
+#[cfg(test)]
+pub(super) fn prompt_of_for_tests(v: &serde_json::Value, vocab: usize) -> bool {
+    prompt_of(v, vocab).is_ok()
+}
+
 fn kind(v: &serde_json::Value) -> &'static str {
     match v {
         serde_json::Value::Null => "null",

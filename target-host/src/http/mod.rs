@@ -23,6 +23,8 @@ pub mod auth;
 pub mod chat;
 pub mod completions;
 pub mod error;
+#[cfg(test)]
+mod fuzz;
 mod launch;
 pub mod metrics;
 pub mod models;
