@@ -84,11 +84,7 @@ impl Backbone {
     ///
     /// # Errors
     /// [`Error::Weights`] for a missing or misshapen tensor.
-    pub fn load(
-        c: &DraftConfig,
-        t: &Tensors,
-        max_pos: usize,
-    ) -> Result<Self, Error> {
+    pub fn load(c: &DraftConfig, t: &Tensors, max_pos: usize) -> Result<Self, Error> {
         let (h, hd, eps) = (c.hidden_size, c.head_dim, c.rms_norm_eps);
         let (q, kv) = (c.num_heads * hd, c.num_kv_heads * hd);
         let layers = (0..c.num_layers)

@@ -147,7 +147,9 @@ impl Default for Metrics {
             resident_bytes: Gauge::default(),
             open_fds: Gauge::default(),
             start_time: Gauge::default(),
-            engine_gauges: engine_series(SeriesKind::Gauge).map(|_| Gauge::default()).collect(),
+            engine_gauges: engine_series(SeriesKind::Gauge)
+                .map(|_| Gauge::default())
+                .collect(),
             engine_counters: engine_series(SeriesKind::Counter)
                 .map(|_| Counter::default())
                 .collect(),
