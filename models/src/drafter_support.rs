@@ -10,7 +10,7 @@
 //! ```no_run
 //! # fn main() -> specula_models::Result<()> {
 //! use specula_models::drafter_support::TargetParts;
-//! let parts = TargetParts::open("models/cache/smollm2-135m.gguf".as_ref(), &Default::default())?;
+//! let parts = TargetParts::open("models/cache/smollm2-135m.gguf".as_ref(), &candle_core::Device::Cpu)?;
 //! let x = parts.embedding.forward(&[1, 2, 3])?;           // [3, hidden] f32
 //! let logits = parts.lm_head.forward(&parts.final_norm.forward(&x)?)?; // [3, vocab]
 //! let tokenizer = parts.tokenizer()?;
