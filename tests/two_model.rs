@@ -19,7 +19,12 @@ fn run(model: &Path, extra: &[&str]) -> Output {
         // (SmolLM2 drafting for itself): the default deadline of 4 target steps would rightly
         // cut it off. These tests measure acceptance and losslessness, not the deadline policy
         // (tests/chaos.rs does): wait for every draft, so each round verifies one.
-        .args(["--draft-deadline-ms", "60000", "--draft-deadline-steps", "1000"])
+        .args([
+            "--draft-deadline-ms",
+            "60000",
+            "--draft-deadline-steps",
+            "1000",
+        ])
         .args(extra)
         .output()
         .expect("run target-host")
