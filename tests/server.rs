@@ -971,11 +971,14 @@ fn hot_swap_mid_stream_keeps_the_output() {
     let ngram = specula_tests::bin_path("ngram");
     let echo = specula_tests::bin_path("echo-drafter");
     let bin_dir = echo.parent().unwrap().to_str().unwrap().to_string();
+    // A fixed k: every round drafts, so every drafter instance has verified rounds (and its
+    // acceptance series) whatever the speculation controller would choose on this machine.
     let srv = Server::with_admin(&[
         "--drafter",
         ngram.to_str().unwrap(),
         "--num-draft-tokens",
         "4",
+        "--fixed-draft",
         "--drafter-dir",
         &bin_dir,
     ]);
