@@ -26,7 +26,7 @@ use crate::arch::{Architecture, Checkpoint};
 use crate::config::{LayerType, ModelConfig};
 use crate::error::{Error, Result};
 use crate::kv_pool::{KvLayout, KvPool};
-use crate::layers::attention::{kernel, AttnBatch, KvSlot};
+use crate::layers::attention::{self, kernel, AttnBatch, KvSlot};
 use crate::layers::mlp::Activation;
 use crate::layers::{Embedding, Linear, Mlp, RmsNorm, Rope, RopeStyle};
 use crate::loader::WeightSource;
@@ -72,13 +72,7 @@ pub(crate) struct GemmaAttention {
 impl GemmaAttention {
     /// `proj(xs)` as `[T, heads, head_dim]` with the per-head norm, on the host.
     fn heads(&self, ys: &Tensor, heads: usize, norm: Option<&RmsNorm>) -> Result<Vec<f32>> {
-        let t = ys.dim(0)?;
-        let ys = ys.reshape((t, heads, self.head_dim))?;
-        let ys = match norm {
-            Some(n) => n.forward(&ys)?,
-            None => ys,
-        };
-        Ok(ys.flatten_all()?.to_vec1::<f32>()?)
+        attention::host_heads(ys, heads, self.head_dim, norm)
     }
 
     /// Attends the rows `xs` of `batch`, writing their K/V into `slot` first when the layer
@@ -110,16 +104,7 @@ impl GemmaAttention {
                     None => k_raw,
                 };
                 let v = self.heads(&v_raw, self.kv_heads, kv.v_norm.as_ref())?;
-                let w = self.kv_heads * d;
-                for (r, &(block, offset)) in batch.targets.iter().enumerate() {
-                    pool.write(
-                        slot,
-                        block,
-                        offset,
-                        &k[r * w..(r + 1) * w],
-                        &v[r * w..(r + 1) * w],
-                    );
-                }
+                attention::write_rows(pool, slot, batch, &k, &v);
                 slot
             }
             (KvSlot::Shared(slot), _) => slot,

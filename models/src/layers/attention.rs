@@ -71,6 +71,40 @@ pub enum KvSlot {
     Shared(usize),
 }
 
+/// Projected rows `ys` `[T, heads * head_dim]` as host values, with the optional per-head norm
+/// (over `[T, heads, head_dim]`).
+///
+/// # Errors
+/// On a shape mismatch.
+pub(crate) fn host_heads(
+    ys: &Tensor,
+    heads: usize,
+    head_dim: usize,
+    norm: Option<&RmsNorm>,
+) -> Result<Vec<f32>> {
+    let t = ys.dim(0)?;
+    let ys = match norm {
+        Some(n) => n.forward(&ys.reshape((t, heads, head_dim))?)?,
+        None => ys.clone(),
+    };
+    Ok(ys.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// Writes row `r`'s K and V (`[T, kv_heads * head_dim]` host values) to its target position
+/// `batch.targets[r]` in `slot`.
+pub(crate) fn write_rows(pool: &mut KvPool, slot: usize, batch: &AttnBatch, k: &[f32], v: &[f32]) {
+    let w = k.len() / batch.targets.len().max(1);
+    for (r, &(block, offset)) in batch.targets.iter().enumerate() {
+        pool.write(
+            slot,
+            block,
+            offset,
+            &k[r * w..(r + 1) * w],
+            &v[r * w..(r + 1) * w],
+        );
+    }
+}
+
 impl Attention {
     /// `xs` `[T, hidden]` → `[T, heads * head_dim]` host values with the optional per-head norm.
     fn heads(
@@ -80,13 +114,7 @@ impl Attention {
         heads: usize,
         norm: Option<&RmsNorm>,
     ) -> Result<Vec<f32>> {
-        let t = xs.dim(0)?;
-        let ys = proj.forward(xs)?;
-        let ys = match norm {
-            Some(n) => n.forward(&ys.reshape((t, heads, self.head_dim))?)?,
-            None => ys,
-        };
-        Ok(ys.flatten_all()?.to_vec1::<f32>()?)
+        host_heads(&proj.forward(xs)?, heads, self.head_dim, norm)
     }
 
     /// Attends the rows `xs` (`[T, hidden]` f32) of `batch` to their sequences' K/V in `pool`
@@ -113,16 +141,7 @@ impl Attention {
                 let mut k = self.heads(&self.k_proj, xs, self.kv_heads, self.k_norm.as_ref())?;
                 rope.apply(&mut k, self.kv_heads, &batch.positions)?;
                 let v = self.heads(&self.v_proj, xs, self.kv_heads, None)?;
-                let w = self.kv_heads * d;
-                for (r, &(block, offset)) in batch.targets.iter().enumerate() {
-                    pool.write(
-                        slot,
-                        block,
-                        offset,
-                        &k[r * w..(r + 1) * w],
-                        &v[r * w..(r + 1) * w],
-                    );
-                }
+                write_rows(pool, slot, batch, &k, &v);
                 slot
             }
             KvSlot::Shared(slot) => slot,
