@@ -34,10 +34,20 @@ def sampled_rows(splits, sampled_frac: float, seed: int) -> np.ndarray:
     return (rng.random(len(splits)) < sampled_frac) & (np.array(splits) == 0)
 
 
-def plan_batches(prompts, batch: int):
-    """Deterministic batches of prompt indices, by length (little padding)."""
+def plan_batches(prompts, batch: int, max_new: int, cache_tokens: int = 2_600_000):
+    """Deterministic batches of prompt indices, by length (little padding): at most `batch` rows
+    and `cache_tokens` cache slots (rows x (longest prompt + max_new)) each. SmolLM2's cache
+    costs 23 KB a slot in bf16, so the default is ~60 GB of the H200's 139."""
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
-    return [order[i : i + batch] for i in range(0, len(order), batch)]
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) >= batch or (len(cur) + 1) * (len(prompts[i]) + max_new) > cache_tokens):
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
 
 
 def generate(
@@ -46,7 +56,7 @@ def generate(
 ) -> bool:
     """Generates missing parts until done or the deadline; True when every part exists."""
     prompts, tags, splits, meta = load_prompts(prompt_dir)
-    batches = plan_batches(prompts, batch)
+    batches = plan_batches(prompts, batch, max_new)
     sampled = sampled_rows(splits, sampled_frac, seed)
     parts = work / "gen"
     parts.mkdir(parents=True, exist_ok=True)
@@ -70,13 +80,37 @@ def generate(
     return True
 
 
-def merge(prompt_dir: Path, work: Path, sampled_frac: float, seed: int) -> Path:
+def save_responses(resp: dict[int, list[int]], n: int, path: Path):
+    """The generated answers alone, as uint16 ids (compressed): what a later session carries back
+    instead of generating again (`load_responses`)."""
+    assert set(resp) == set(range(n)), "every prompt needs its answer"
+    lens = np.array([len(resp[i]) for i in range(n)], dtype=np.int64)
+    ids = np.fromiter((t for i in range(n) for t in resp[i]), dtype=np.int64, count=int(lens.sum()))
+    assert ids.max(initial=0) < 65536
+    np.savez_compressed(path, ids=ids.astype(np.uint16), offsets=np.concatenate([[0], np.cumsum(lens)]))
+
+
+def load_responses(path: Path, n: int) -> dict[int, list[int]]:
+    z = np.load(path)
+    ids, off = z["ids"].astype(np.int64), z["offsets"]
+    if len(off) != n + 1:
+        raise SystemExit(f"{path}: {len(off) - 1} answers for {n} prompts (another prompt set?)")
+    return {i: ids[off[i] : off[i + 1]].tolist() for i in range(n)}
+
+
+def merge(prompt_dir: Path, work: Path, sampled_frac: float, seed: int, responses: Path | None = None) -> Path:
+    """Joins the generated parts (or answers carried in `responses`) with the prompts into
+    data.pt, and writes responses.npz beside it."""
     prompts, tags, splits, meta = load_prompts(prompt_dir)
-    resp: dict[int, list[int]] = {}
-    for p in sorted((work / "gen").glob("part*.pt")):
-        d = torch.load(p)
-        resp.update(zip(d["rows"], d["responses"]))
+    if responses is not None:
+        resp = load_responses(responses, len(prompts))
+    else:
+        resp = {}
+        for p in sorted((work / "gen").glob("part*.pt")):
+            d = torch.load(p)
+            resp.update(zip(d["rows"], d["responses"]))
     assert len(resp) == len(prompts), f"{len(resp)} responses for {len(prompts)} prompts"
+    save_responses(resp, len(prompts), work / "responses.npz")
     sampled = sampled_rows(splits, sampled_frac, seed)
     ids, offsets, plens = [], [0], []
     for i, p in enumerate(prompts):

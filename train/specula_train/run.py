@@ -90,7 +90,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     # data
     ap.add_argument("--max-new", type=int, default=320)
-    ap.add_argument("--gen-batch", type=int, default=1024)
+    ap.add_argument("--gen-batch", type=int, default=4096, help="rows per batch (the cache budget may cut it)")
+    ap.add_argument("--responses", type=Path, help="answers from an earlier run (responses.npz): no generation")
     ap.add_argument("--sampled-frac", type=float, default=0.25)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--limit", type=int, help="use only the first N prompts of each split (smoke)")
@@ -104,6 +105,8 @@ def main():
     ap.add_argument("--steps", type=int, help="fixed step count (default: sized from --train-seconds)")
     ap.add_argument("--tokens-per-batch", type=int, default=24576)
     ap.add_argument("--anchors", type=int, default=32)
+    ap.add_argument("--no-cache-states", dest="cache_states", action="store_false",
+                    help="run the target every step instead of caching its taps on the device")
     a = ap.parse_args()
 
     t_start = time.time()
@@ -138,6 +141,9 @@ def main():
     status = {"stage": "data"}
     # -------- data
     data_path = a.work / "data.pt"
+    if not data_path.exists() and a.responses:
+        gen.merge(prompts, a.work, a.sampled_frac, a.seed, responses=a.responses)
+        log(f"data: answers from {a.responses}")
     if not data_path.exists():
         t0 = time.time()
         done = gen.generate(
@@ -150,6 +156,10 @@ def main():
         if not done:
             return finish(a, status, log, timing)
     data = gen.Data(data_path)
+    if not (a.out / "responses.npz").exists():  # brought back, so later sessions need not generate
+        import shutil
+
+        shutil.copy(a.work / "responses.npz", a.out / "responses.npz")
     status["data"] = data.stats()
     log(f"data: {json.dumps(status['data'])}")
 
@@ -178,6 +188,8 @@ def main():
         log(f"train: continuing the finished run to {a.steps} steps")
     if not done_mark.exists():
         t0 = time.time()
+        if a.cache_states:
+            tr.cache_target_states(log)
         done = tr.run(deadline - 25, ckpt, log)
         spent("train", t0)
         plot(tr.history, a.out / "loss.png")
@@ -247,7 +259,7 @@ def recipe(kind: str, s: dict) -> str:
         + f"--tokens-per-batch {a['tokens_per_batch']} --anchors {a['anchors']}",
         "```", "",
         f"- seed {a['seed']}; steps {s['train']['steps']}; training wall time {s['train']['elapsed_s']:.0f} s "
-        f"(all kinds trained jointly on one target pass per step)",
+        f"(all kinds trained jointly on the same batches, from one cached pass of the target over the data)",
         f"- device time by stage (s): {json.dumps({k: round(v) for k, v in s['timing_s'].items()})}",
         f"- data: {json.dumps(s['data'])}",
         "- data recipe: prompts from Debian python3.11-doc, linux-doc-6.1, bible-kjv, wordnet-base "

@@ -53,6 +53,55 @@ def test_generation_stops_at_a_stop_id_and_keeps_it():
     assert stopped == free[: free.index(free[2]) + 1]
 
 
+def test_dropping_finished_rows_keeps_every_answer():
+    # Rows stop at different steps; compacting every 2 steps must not change any row's answer.
+    t = tiny_target()
+    prompts_ = [[5, 9, 2, 44, 17, 3], [8], [30, 31, 32], [1, 2], [40, 41, 42, 43]]
+    free = t.generate(prompts_, 12, stop_ids=set(), temperature=torch.zeros(5))
+    stop = {free[0][1], free[2][1]}  # rows stop at different steps, some late
+    plain = t.generate(prompts_, 12, stop_ids=stop, temperature=torch.zeros(5), compact_every=1000)
+    compact = t.generate(prompts_, 12, stop_ids=stop, temperature=torch.zeros(5), compact_every=2)
+    assert compact == plain
+    assert len(plain[0]) <= 2 and any(len(r) > 4 for r in plain)
+
+
+def test_cached_target_states_equal_the_per_step_forward(tmp_path):
+    from specula_train.bench import synthetic_data
+    from specula_train.run import configs_for
+    from specula_train.train import Trainer
+
+    t = tiny_target()
+    data = synthetic_data(tmp_path / "d.pt", 12, TC.vocab_size)
+    args = type("A", (), {"taps": 2, "layers": 1, "inter": 24, "markov_rank": 4})()
+    hp = {"seed": 0, "lr": {"dflash": 1e-3, "dspark": 1e-3, "mtp": 1e-3}, "gamma": {"dflash": 4.0, "dspark": 4.0},
+          "anchors": 4, "tokens_per_batch": 1500, "rows_per_batch": 4, "train_seconds": 0, "steps": 5}
+    tr = Trainer(t, data, ["dflash", "mtp"], configs_for(TC, args), hp, "cpu")
+    rows = tr.batch_at(0)
+    ids, lens, _ = data.batch(rows, "cpu")
+    want_taps, want_final = tr.target_states(rows, ids, lens)
+    tr.cache_target_states(rows_per_forward=5)
+    got_taps, got_final = tr.target_states(rows, ids, lens)
+    valid = torch.arange(ids.shape[1])[None] < lens[:, None]
+    assert set(got_taps) == set(want_taps) == set(tr.tap_ids())
+    for l in want_taps:
+        torch.testing.assert_close(got_taps[l][valid], want_taps[l][valid], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_final[valid], want_final[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_answers_round_trip_through_responses_npz(tmp_path):
+    from specula_train import gen
+
+    resp = {0: [5, 60000, 2], 1: [], 2: [7]}
+    gen.save_responses(resp, 3, tmp_path / "r.npz")
+    assert gen.load_responses(tmp_path / "r.npz", 3) == resp
+    try:
+        gen.load_responses(tmp_path / "r.npz", 4)
+    except SystemExit as e:
+        assert "3 answers for 4 prompts" in str(e)
+    else:
+        raise AssertionError("a prompt-count mismatch must be refused")
+
+
 def test_summarize_rounds_counts_tau_and_positions():
     # Rounds: (accepted, drafted). Three rounds of 3 drafts: 3 accepted, 0, then 1.
     s = evaluate.summarize_rounds({0: [(3, 3), (0, 3)], 1: [(1, 3)]}, 3)
