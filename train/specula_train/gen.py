@@ -1,10 +1,12 @@
 """Self-distillation data: the target answers every prompt itself (greedy, some sampled).
 
 Prompts arrive as the exact ids `serve` would feed (see `encode_prompts.py`). They are sorted by
-length and decoded in large batches with a preallocated KV cache (`Target.generate`). Each
-finished batch is saved as its own part, so a run cut short resumes at the next batch; `merge`
-joins the parts into one `data.pt`:
-  ids (int32, prompt + response runs), offsets, prompt_lens, tags, splits, sampled.
+length and decoded in batches of up to 4096 rows, sized by KV-cache slots, with a preallocated
+cache (`Target.generate`). Each finished batch is saved as its own part, so a run cut short
+resumes at the next batch; `merge` joins the parts into one `data.pt`:
+  ids (int32, prompt + response runs), offsets, prompt_lens, tags, splits, sampled,
+and the answers alone into `responses.npz` (uint16, compressed), which a later run can load
+instead of generating (`--responses`).
 Held-out and bench prompts are always answered greedily (they measure greedy acceptance).
 """
 

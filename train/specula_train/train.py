@@ -1,10 +1,10 @@
 """Joint training of the drafters on one pass of the frozen target per batch.
 
-Every step runs the target once (no grad) over a batch of self-distilled sequences and reads
-what each drafter needs from that one forward: the taps (DFlash, DSpark), the final-norm hidden
-(MTP) and the target's logits at the rows a loss compares against (DSpark's TV and confidence
-labels, MTP's KL). The drafters have disjoint parameters and optimizers, so training them
-together equals training each alone on the same batches, at a third of the target cost.
+The frozen target runs once over the whole training set (`cache_target_states`) and its taps
+(DFlash, DSpark) and final-norm hidden (MTP) stay on the device; each step gathers its batch's
+rows and computes the target's logits where a loss compares against them (DSpark's TV and
+confidence labels, MTP's KL). The drafters have disjoint parameters and optimizers, so training
+them together equals training each alone on the same batches.
 
 Losses (per the references):
   DFlash: CE on slots 1..B-1, weights exp(-(k-1)/gamma) (DFlash §5, gamma 4 at block 8).
