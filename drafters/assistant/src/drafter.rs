@@ -328,10 +328,13 @@ fn argmax(logits: &[f32]) -> u32 {
         .unwrap_or(0) as u32
 }
 
+/// A layer kind and the target layer lending its K/V: `(kind, (layer, kv_heads, head_dim))`.
+type Lender = (LayerType, (usize, usize, usize));
+
 /// Per layer kind the target layer that lends its K/V: the last layer of that kind that owns
 /// K/V, with its K/V heads and head width. A model without layer kinds (llama, qwen) has only
 /// global layers; its donor is its last layer.
-fn donor_layers(cfg: &ModelConfig) -> Result<Vec<(LayerType, (usize, usize, usize))>, String> {
+fn donor_layers(cfg: &ModelConfig) -> Result<Vec<Lender>, String> {
     use specula_models::config::KvSource;
     let layers: Vec<(LayerType, usize, usize, bool)> = if cfg.is_gemma4() {
         let p = cfg.gemma4()?;

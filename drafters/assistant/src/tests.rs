@@ -148,7 +148,7 @@ fn donor_blocks_in_place_equal_row_copies() {
             let n = rows * heads * hd;
             let f = |s: f32| {
                 (0..n)
-                    .map(|j| ((j as f32 * 0.37 + s + i as f32).sin()))
+                    .map(|j| (j as f32 * 0.37 + s + i as f32).sin())
                     .collect()
             };
             (f(0.1), f(2.3))
