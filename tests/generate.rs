@@ -117,7 +117,7 @@ fn max_tokens_and_eos_inside_an_accepted_run() {
 
 /// Two-sample chi-square statistic over the bins of `a` and `b` (equal sample sizes), merging
 /// bins whose pooled count is below 10; returns (statistic, degrees of freedom).
-fn chi_square(a: &[usize], b: &[usize]) -> (f64, usize) {
+pub(crate) fn chi_square(a: &[usize], b: &[usize]) -> (f64, usize) {
     let (mut stat, mut bins) = (0.0, 0usize);
     let (mut ra, mut rb) = (0usize, 0usize);
     for (&x, &y) in a.iter().zip(b) {
@@ -139,7 +139,7 @@ fn chi_square(a: &[usize], b: &[usize]) -> (f64, usize) {
 }
 
 /// Chi-square critical value at p = 0.001 (Wilson–Hilferty approximation).
-fn critical(df: usize) -> f64 {
+pub(crate) fn critical(df: usize) -> f64 {
     let k = df as f64;
     let z = 3.090; // one-sided normal quantile at 0.999
     k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3)

@@ -2,6 +2,7 @@
 //!
 //! Real models are fetched on first use by `scripts/fetch-model` (see `specula_tests::model_path`).
 
+mod assistant;
 mod batch;
 mod chaos;
 mod dflash;

@@ -17,12 +17,14 @@
 //! - [`version`]: [`Version`], [`PROTOCOL_VERSION`] and negotiation.
 //! - [`wire`]: every message that crosses the process boundary.
 //! - [`shm`]: the host-written, drafter-read shared-memory ring of tensors.
+//! - [`donor`]: K/V donor views (1.2): the host's KV pool blocks, mapped read-only.
 //! - [`transport`]: bootstrap over `ipc-channel` and the version-checked sender.
 //! - [`sdk`]: the [`sdk::Drafter`] trait and [`sdk::serve`], which is all a third-party drafter needs.
 //!
 //! See `protocol/README.md` for the state machine, the versioning rules and a sequence diagram.
 #![deny(missing_docs)]
 
+pub mod donor;
 pub mod error;
 pub mod sdk;
 pub mod shm;

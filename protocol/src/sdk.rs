@@ -36,6 +36,7 @@ mod server;
 
 use std::process::ExitCode;
 
+use crate::donor::DonorRows;
 use crate::error::Result;
 use crate::shm::TensorRef;
 use crate::transport::{self, Sender, BOOTSTRAP_ENV};
@@ -58,6 +59,9 @@ pub struct DrafterInfo {
     /// Whether [`Drafter::capabilities`] states the real capabilities once the target is known
     /// (then `capabilities` above are what a 1.0 host gets).
     pub late_capabilities: bool,
+    /// Whether the `kv_layers` are wanted as K/V donor views (1.2; [`DraftAsk::donors`]) rather
+    /// than as rows in the taps.
+    pub kv_donor_views: bool,
 }
 
 impl DrafterInfo {
@@ -69,6 +73,16 @@ impl DrafterInfo {
             capabilities,
             versions: vec![PROTOCOL_VERSION],
             late_capabilities: false,
+            kv_donor_views: false,
+        }
+    }
+
+    /// The same, asking for its `kv_layers` as donor views ([`DraftAsk::donors`]) where the host
+    /// offers them (protocol ≥ 1.2); elsewhere they come as rows in the taps.
+    pub fn with_kv_donor_views(self) -> Self {
+        DrafterInfo {
+            kv_donor_views: true,
+            ..self
         }
     }
 
@@ -238,7 +252,7 @@ pub enum Advanced {
 }
 
 /// One row of a batched draft request, as [`Drafter::draft_batch`] gets it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub struct DraftAsk<'a> {
     /// The session (always an open one).
     pub session: SessionId,
@@ -246,6 +260,10 @@ pub struct DraftAsk<'a> {
     pub new_tokens: &'a [u32],
     /// The most drafts wanted (already capped at `max_draft_len`).
     pub n: usize,
+    /// The session's donor K/V, positions `0..len` (every committed id but the pending one), read
+    /// in place from the host's KV pool, when the drafter asked for donor views and the host
+    /// mapped them (protocol ≥ 1.2). Call [`DonorRows::check`] after reading.
+    pub donors: Option<DonorRows<'a>>,
 }
 
 /// A drafter's answer to one draft request.
@@ -411,6 +429,7 @@ pub fn run<D: Drafter>(mut drafter: D, bootstrap: &str) -> Result<Outcome> {
         drafter_version: info.version.clone(),
         capabilities: info.capabilities.clone(),
         late_capabilities: info.late_capabilities,
+        kv_donor_views: info.kv_donor_views,
     };
     let connected = transport::connect(bootstrap, &hello)?;
     let welcome = match connected.reply {

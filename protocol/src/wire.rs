@@ -16,6 +16,7 @@
 use ipc_channel::ipc::{IpcSender, IpcSharedMemory};
 use serde::{Deserialize, Serialize};
 
+use crate::donor::{DonorBlock, DonorLayout};
 use crate::shm::{DType, RegionId, TapViews};
 use crate::version::{Version, PROTOCOL_VERSION};
 
@@ -50,6 +51,13 @@ pub struct Hello {
     /// ignores the field and keeps the ones above. @since protocol v1.1
     #[serde(default)]
     pub late_capabilities: bool,
+    /// Whether the drafter wants its `kv_layers` as K/V donor views ([`MapDonors`] and
+    /// [`DonorTables`]: the host's KV pool blocks, read in place) rather than as K/V rows copied
+    /// into every message's taps. A host at ≥ 1.2 that can export its pool sends `MapDonors`
+    /// and leaves `TapViews::kv` empty; otherwise the rows come in the taps, as in 1.1.
+    /// @since protocol v1.2
+    #[serde(default)]
+    pub kv_donor_views: bool,
 }
 
 /// What a drafter can do and which target activations it wants after each verify forward.
@@ -331,6 +339,42 @@ pub struct MapRegion {
     pub shm: IpcSharedMemory,
 }
 
+/// Hands the drafter the K/V donor region (the host's KV pool blocks of the donor layers), once,
+/// before any [`DonorTables`]. Sent only to a drafter whose Hello set `kv_donor_views`.
+/// @since protocol v1.2
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MapDonors {
+    /// The id of the region (its own numbering, apart from tap regions).
+    pub region: RegionId,
+    /// The memory (a memfd), mapped read-only by the drafter.
+    pub shm: IpcSharedMemory,
+    /// Where the blocks, epochs and layers are.
+    pub layout: DonorLayout,
+}
+
+/// What changed in one session's donor block table since the last message for it.
+/// @since protocol v1.2
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DonorTable {
+    /// The session.
+    pub session: SessionId,
+    /// Entries of the previous table that stay (the rest is cut; 0 after a (re-)`Open`).
+    pub keep: u32,
+    /// Entries appended after the kept ones, each with the block's epoch now.
+    pub append: Vec<DonorBlock>,
+    /// Positions `0..len` hold the target's K/V of the session's committed ids (all but the
+    /// pending one); positions past it are never to be read.
+    pub len: u64,
+}
+
+/// Block-table deltas of the sessions whose donor K/V changed, sent before the `Draft` that
+/// may read them (and after every `Open`). @since protocol v1.2
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DonorTables {
+    /// One per session that changed.
+    pub tables: Vec<DonorTable>,
+}
+
 /// A host request. Only [`Request::Draft`] gets a reply.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Request {
@@ -348,6 +392,10 @@ pub enum Request {
     Shutdown,
     /// See [`Advance`]. @since protocol v1.1
     Advance(Advance),
+    /// See [`MapDonors`]. @since protocol v1.2
+    MapDonors(MapDonors),
+    /// See [`DonorTables`]. @since protocol v1.2
+    DonorTables(DonorTables),
 }
 
 /// Everything host → drafter.
@@ -412,6 +460,7 @@ pub enum DrafterMsg {
 /// | `Handshake`, `Goodbye`, `MapRegion`, `Open`, `Draft`, `Drafted`, `Commit`, `Close`, `Shutdown` | 1.0 |
 /// | `Advance`, `Proposed`, `Capabilities` (drafter → host) | 1.1 |
 /// | `Open`, `Commit` whose taps hold a bf16 view | 1.1 |
+/// | `MapDonors`, `DonorTables` | 1.2 |
 pub trait Since {
     /// The message's name, for errors.
     fn kind(&self) -> &'static str;
@@ -421,8 +470,9 @@ pub trait Since {
 
 const V1_0: Version = Version { major: 1, minor: 0 };
 const V1_1: Version = Version { major: 1, minor: 1 };
+const V1_2: Version = Version { major: 1, minor: 2 };
 const _: () = assert!(PROTOCOL_VERSION.major == V1_0.major);
-const _: () = assert!(PROTOCOL_VERSION.minor >= V1_1.minor);
+const _: () = assert!(PROTOCOL_VERSION.minor >= V1_2.minor);
 
 /// bf16 views came with 1.1: a message carrying one needs a 1.1 peer.
 fn taps_since(taps: Option<&TapViews>) -> Version {
@@ -444,6 +494,8 @@ impl Since for HostMsg {
                 Request::Close(_) => "Close",
                 Request::Shutdown => "Shutdown",
                 Request::Advance(_) => "Advance",
+                Request::MapDonors(_) => "MapDonors",
+                Request::DonorTables(_) => "DonorTables",
             },
         }
     }
@@ -459,6 +511,7 @@ impl Since for HostMsg {
                 Request::Open(open) => taps_since(open.prompt_taps.as_ref()),
                 Request::Commit(commit) => taps_since(commit.taps.as_ref()),
                 Request::Advance(_) => V1_1,
+                Request::MapDonors(_) | Request::DonorTables(_) => V1_2,
             },
         }
     }

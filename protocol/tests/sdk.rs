@@ -3,6 +3,7 @@
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+use specula_protocol::donor::{DonorBlock, DonorLayout, DonorWriter};
 use specula_protocol::sdk::{
     self, AdvanceArgs, Advanced, CommitArgs, DraftAsk, Drafter, DrafterInfo, OpenArgs, Outcome,
     Proposal,
@@ -70,6 +71,17 @@ impl Drafter for Recorder {
             .lock()
             .unwrap()
             .push(format!("batch {}", asks.len()));
+        for d in asks.iter().filter_map(|a| a.donors) {
+            // Position 33 of donor layer 0, head 0, dimension 0 (block 1, offset 1), then V.
+            let (k, v) = d.copy_rows(0, 33..34).unwrap();
+            self.log.lock().unwrap().push(format!(
+                "donors {} {} {} {}",
+                d.len(),
+                d.k_block(0, 1, 0)[1],
+                k[0],
+                v[1]
+            ));
+        }
         asks.iter()
             .map(|a| self.draft(a.session, a.new_tokens, a.n))
             .collect()
@@ -288,7 +300,7 @@ fn drafter_declines_a_version_it_does_not_speak() {
     let DrafterMsg::Goodbye { reason } = a.from_drafter.recv().unwrap() else {
         panic!("expected Goodbye");
     };
-    assert!(reason.contains("1.5") && reason.contains("1.1"), "{reason}");
+    assert!(reason.contains("1.5") && reason.contains("1.2"), "{reason}");
     thread.join().unwrap();
 }
 
@@ -501,5 +513,85 @@ fn a_1_0_drafter_never_receives_a_1_1_message() {
         log.lock().unwrap()[0],
         "open 1 [7] None",
         "the refused Open never arrived"
+    );
+}
+
+/// A drafter asking for donor views reads the session's K/V in place, from the block table the
+/// host announced; a reused block is noticed.
+#[test]
+fn donor_views_reach_draft_batch() {
+    let (drafter, log) = recorder(vec![PROTOCOL_VERSION], false);
+    let drafter = Recorder {
+        late: false,
+        ..drafter
+    };
+    let (a, thread) = spawn(drafter);
+    welcome(&a, PROTOCOL_VERSION);
+    let mut donors = DonorWriter::new(1, DonorLayout::f32(&[(1, 1, 2)], 4).unwrap()).unwrap();
+    let (e3, e0) = (donors.claim(3), donors.claim(0));
+    for p in 0..40usize {
+        let row = [p as f32, p as f32 + 0.5];
+        donors.write_row(0, [3, 0][p / 32], p % 32, &row, &row.map(|x| -x));
+    }
+    request(
+        &a,
+        0,
+        Request::MapDonors(MapDonors {
+            region: 1,
+            shm: donors.handle(),
+            layout: donors.layout().clone(),
+        }),
+    );
+    open_session(&a, 1);
+    let table = |keep, append: Vec<DonorBlock>, len| {
+        Request::DonorTables(DonorTables {
+            tables: vec![DonorTable {
+                session: 1,
+                keep,
+                append,
+                len,
+            }],
+        })
+    };
+    let b = |block, epoch| DonorBlock { block, epoch };
+    request(&a, 2, table(0, vec![b(3, e3)], 32));
+    request(&a, 3, table(1, vec![b(0, e0)], 40));
+    draft_one(&a, 4, vec![]);
+    request(&a, 5, Request::Shutdown);
+    assert_eq!(thread.join().unwrap(), Outcome::Shutdown);
+    let log = log.lock().unwrap();
+    assert_eq!(log[2], "donors 40 33 33 -33.5", "{log:?}");
+}
+
+const V1_1: Version = Version { major: 1, minor: 1 };
+
+/// A 1.2 drafter at a 1.1 host: the host's sender refuses the donor messages, and the drafter
+/// drafts without donors.
+#[test]
+fn a_1_1_host_sends_no_donor_views_and_the_drafter_goes_on() {
+    let (drafter, log) = recorder(vec![PROTOCOL_VERSION], false);
+    let (a, thread) = spawn(drafter);
+    welcome(&a, V1_1);
+    let sender = Sender::new(a.to_drafter.clone(), V1_1);
+    let tables = HostMsg::Request {
+        seq: 0,
+        request: Request::DonorTables(DonorTables { tables: vec![] }),
+    };
+    assert!(matches!(
+        sender.send(tables),
+        Err(specula_protocol::Error::TooNew {
+            message: "DonorTables",
+            ..
+        })
+    ));
+    open_session(&a, 1);
+    let Reply::Proposed(_) = draft_one(&a, 2, vec![]) else {
+        panic!("a 1.1 host gets Proposed");
+    };
+    request(&a, 3, Request::Shutdown);
+    assert_eq!(thread.join().unwrap(), Outcome::Shutdown);
+    assert!(
+        !log.lock().unwrap().iter().any(|l| l.starts_with("donors")),
+        "no donor views at 1.1"
     );
 }

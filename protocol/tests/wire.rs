@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use ipc_channel::ipc::{self, IpcSharedMemory};
 use serde::{de::DeserializeOwned, Serialize};
+use specula_protocol::donor::{DonorBlock, DonorLayout};
 use specula_protocol::shm::{DType, KvView, TapViews, TensorView};
 use specula_protocol::transport::{check, Sender};
 use specula_protocol::wire::*;
@@ -48,6 +49,7 @@ fn hello() -> Hello {
             kv_layers: vec![0],
         },
         late_capabilities: true,
+        kv_donor_views: true,
     }
 }
 
@@ -124,7 +126,35 @@ fn requests() -> Vec<(&'static str, Request)> {
                 taps: Some(taps()),
             }),
         ),
+        ("donor_tables", Request::DonorTables(donor_tables())),
     ]
+}
+
+fn donor_tables() -> DonorTables {
+    DonorTables {
+        tables: vec![
+            DonorTable {
+                session: 5,
+                keep: 0,
+                append: vec![
+                    DonorBlock { block: 4, epoch: 1 },
+                    DonorBlock { block: 0, epoch: 3 },
+                ],
+                len: 40,
+            },
+            DonorTable {
+                session: 6,
+                keep: 2,
+                append: vec![],
+                len: 64,
+            },
+        ],
+    }
+}
+
+/// The layout a `MapDonors` carries: a Gemma-4-like pair of donor layers of different shapes.
+fn donor_layout() -> DonorLayout {
+    DonorLayout::f32(&[(3, 2, 16), (5, 1, 32)], 8).unwrap()
 }
 
 fn proposed() -> DrafterMsg {
@@ -224,6 +254,7 @@ fn golden_json_for_every_message() {
     golden("drafted", &drafted());
     golden("proposed", &proposed());
     golden("capabilities", &late_capabilities());
+    golden("donor_layout", &donor_layout());
     golden(
         "goodbye",
         &DrafterMsg::Goodbye {
@@ -316,7 +347,10 @@ fn a_1_0_peer_decodes_every_message_a_1_1_peer_may_send_it() {
                 sent += 1;
             }
             Err(Error::TooNew { message, .. }) => {
-                assert_eq!(message, "Advance", "only Advance is new in 1.1");
+                assert!(
+                    ["Advance", "DonorTables"].contains(&message),
+                    "{message} is not newer than 1.0"
+                );
                 // Why the sender must refuse it: a 1.0 peer cannot decode it at all.
                 tx.send(msg).unwrap();
                 assert!(rx.recv().is_err(), "a 1.0 peer decoded a 1.1 message");
@@ -324,7 +358,7 @@ fn a_1_0_peer_decodes_every_message_a_1_1_peer_may_send_it() {
             Err(e) => panic!("{name}: {e}"),
         }
     }
-    assert_eq!(sent, requests().len() - 1);
+    assert_eq!(sent, requests().len() - 2);
     // Drafter → host: a 1.1 drafter at 1.0 may send Drafted and Goodbye, never the rest.
     let (tx, rx) = ipc::channel::<DrafterMsg>().unwrap();
     let rx: ipc::IpcReceiver<v1_0::DrafterMsg> = rx.to_opaque().to();
@@ -337,6 +371,162 @@ fn a_1_0_peer_decodes_every_message_a_1_1_peer_may_send_it() {
     for newer in [proposed(), late_capabilities()] {
         assert!(check(&newer, v1_0).is_err(), "{newer:?} is 1.1");
     }
+}
+
+/// The 1.1 wire enums, frozen as a 1.1 peer compiled them.
+mod v1_1 {
+    use serde::{Deserialize, Serialize};
+    use specula_protocol::wire::{
+        Advance, Capabilities, Close, Commit, Draft, Drafted, MapRegion, Open, Proposed, Seq,
+    };
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub enum Request {
+        MapRegion(MapRegion),
+        Open(Open),
+        Draft(Draft),
+        Commit(Commit),
+        Close(Close),
+        Shutdown,
+        Advance(Advance),
+    }
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub enum HostMsg {
+        Handshake(String),
+        Request { seq: Seq, request: Request },
+    }
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub enum Reply {
+        Drafted(Drafted),
+        Proposed(Proposed),
+    }
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub enum DrafterMsg {
+        Goodbye { reason: String },
+        Reply { seq: Seq, reply: Reply },
+        Capabilities(Capabilities),
+    }
+}
+
+#[test]
+fn a_1_1_peer_decodes_every_message_a_1_2_peer_may_send_it() {
+    let v1_1 = Version { major: 1, minor: 1 };
+    let (tx, rx) = ipc::channel::<HostMsg>().unwrap();
+    let rx: ipc::IpcReceiver<v1_1::HostMsg> = rx.to_opaque().to();
+    let mut refused = Vec::new();
+    for (i, (name, request)) in requests().into_iter().enumerate() {
+        let msg = HostMsg::Request {
+            seq: i as u64,
+            request,
+        };
+        match check(&msg, v1_1) {
+            Ok(()) => {
+                tx.send(msg).unwrap();
+                let got = rx.recv().unwrap_or_else(|e| panic!("{name}: {e:?}"));
+                assert!(
+                    matches!(got, v1_1::HostMsg::Request { seq, .. } if seq == i as u64),
+                    "{name}: {got:?}"
+                );
+            }
+            Err(Error::TooNew { message, .. }) => {
+                refused.push(message);
+                // Why the sender must refuse it: a 1.1 peer cannot decode it.
+                tx.send(msg).unwrap();
+                assert!(rx.recv().is_err(), "a 1.1 peer decoded a 1.2 message");
+            }
+            Err(e) => panic!("{name}: {e}"),
+        }
+    }
+    assert_eq!(refused, ["DonorTables"], "only the donor messages are 1.2");
+    // MapDonors carries a memfd, so it is checked without a golden file.
+    let map = HostMsg::Request {
+        seq: 9,
+        request: Request::MapDonors(MapDonors {
+            region: 1,
+            shm: IpcSharedMemory::from_byte(0, 8),
+            layout: donor_layout(),
+        }),
+    };
+    assert!(matches!(
+        check(&map, v1_1),
+        Err(Error::TooNew {
+            message: "MapDonors",
+            ..
+        })
+    ));
+    check(&map, PROTOCOL_VERSION).unwrap();
+    // Drafter → host: 1.2 added nothing; a 1.1 host decodes all a 1.2 drafter sends.
+    let (tx, rx) = ipc::channel::<DrafterMsg>().unwrap();
+    let rx: ipc::IpcReceiver<v1_1::DrafterMsg> = rx.to_opaque().to();
+    for msg in [drafted(), proposed(), late_capabilities()] {
+        check(&msg, v1_1).unwrap();
+        tx.send(msg).unwrap();
+        assert!(!matches!(
+            rx.recv().unwrap(),
+            v1_1::DrafterMsg::Goodbye { .. }
+        ));
+    }
+}
+
+#[test]
+fn a_1_2_peer_decodes_a_1_1_peers_messages() {
+    let (tx, rx) = ipc::channel::<v1_1::HostMsg>().unwrap();
+    let rx: ipc::IpcReceiver<HostMsg> = rx.to_opaque().to();
+    let advance = Advance {
+        session: 3,
+        ids: vec![4],
+        taps: Some(taps()),
+    };
+    tx.send(v1_1::HostMsg::Request {
+        seq: 2,
+        request: v1_1::Request::Advance(advance.clone()),
+    })
+    .unwrap();
+    assert_eq!(
+        rx.recv().unwrap(),
+        HostMsg::Request {
+            seq: 2,
+            request: Request::Advance(advance)
+        }
+    );
+    // A 1.1 Hello has no kv_donor_views: it reads as false (rows in the taps, as 1.1 sends).
+    let mut hello = serde_json::to_value(hello()).unwrap();
+    hello.as_object_mut().unwrap().remove("kv_donor_views");
+    let hello: Hello = serde_json::from_value(hello).unwrap();
+    assert!(!hello.kv_donor_views && hello.late_capabilities);
+}
+
+#[test]
+fn map_donors_carries_live_shared_memory_and_its_layout() {
+    use specula_protocol::donor::{DonorReader, DonorWriter};
+    let mut writer = DonorWriter::new(2, donor_layout()).unwrap();
+    let epoch = writer.claim(6);
+    writer.write_row(1, 6, 3, &[1.5; 32], &[-2.5; 32]);
+    let (tx, rx) = ipc::channel::<HostMsg>().unwrap();
+    let msg = HostMsg::Request {
+        seq: 0,
+        request: Request::MapDonors(MapDonors {
+            region: 2,
+            shm: writer.handle(),
+            layout: writer.layout().clone(),
+        }),
+    };
+    tx.send(msg).unwrap();
+    let HostMsg::Request {
+        request: Request::MapDonors(got),
+        ..
+    } = rx.recv().unwrap()
+    else {
+        panic!("expected MapDonors");
+    };
+    let reader = DonorReader::new(got.region, got.shm, got.layout).unwrap();
+    let table = [DonorBlock { block: 6, epoch }];
+    let rows = reader.rows(&table, 4).unwrap();
+    let (k, v) = rows.copy_rows(1, 3..4).unwrap();
+    assert_eq!((k, v), (vec![1.5; 32], vec![-2.5; 32]));
 }
 
 #[test]

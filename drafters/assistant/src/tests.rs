@@ -9,7 +9,7 @@ use serde_json::Value;
 use specula_models::config::{LayerType, ModelConfig};
 use specula_models::{ForwardRequest, LoadOptions, Rows, TapId, WeightDType};
 
-use super::{Assistant, DonorKv};
+use super::{Assistant, Donor, DonorKv};
 
 const TOL: f32 = 1e-4;
 
@@ -64,14 +64,13 @@ fn draft_steps_match_transformers() {
             })
             .collect();
     let donor = |kind: LayerType| {
-        donors
-            .iter()
-            .find(|d| d.0 == kind)
-            .map(|(_, k, v)| DonorKv {
+        donors.iter().find(|d| d.0 == kind).map(|(_, k, v)| {
+            Donor::Rows(DonorKv {
                 k,
                 v,
                 rows: pending,
             })
+        })
     };
     for case in reference["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
@@ -109,7 +108,7 @@ fn bad_inputs_are_errors() {
     let assistant = Assistant::load(&dir).unwrap();
     let x = Tensor::zeros(64, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
     let short = Tensor::zeros(3, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
-    let none = |_: LayerType| -> Option<DonorKv<'static>> { None };
+    let none = |_: LayerType| -> Option<Donor<'static>> { None };
     let err = assistant.step(&short, &x, 3, none).unwrap_err().to_string();
     assert!(err.contains("embedding has 3 values"), "{err}");
     let err = assistant.step(&x, &x, 3, none).unwrap_err().to_string();
@@ -117,11 +116,11 @@ fn bad_inputs_are_errors() {
     let k = vec![0.0; 5];
     let err = assistant
         .step(&x, &x, 3, |_| {
-            Some(DonorKv {
+            Some(Donor::Rows(DonorKv {
                 k: &k,
                 v: &k,
                 rows: 2,
-            })
+            }))
         })
         .unwrap_err()
         .to_string();
@@ -131,4 +130,80 @@ fn bad_inputs_are_errors() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("gemma4_assistant"), "{err}");
+}
+
+/// The same step over the donor K/V read in place from a donor region (protocol 1.2 views, the
+/// KV pool's block layout) equals the step over row-major copies, bit for bit.
+#[test]
+fn donor_blocks_in_place_equal_row_copies() {
+    use specula_protocol::donor::{DonorBlock, DonorLayout, DonorReader, DonorWriter};
+    let assistant = Assistant::load(&fixtures().join("gemma4-assistant-tiny/plain")).unwrap();
+    let shapes = assistant.layer_shapes();
+    // 37 positions: two blocks, the second partial; random-looking K/V per layer kind.
+    let rows = 37;
+    let data: Vec<(Vec<f32>, Vec<f32>)> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, (_, (heads, hd)))| {
+            let n = rows * heads * hd;
+            let f = |s: f32| {
+                (0..n)
+                    .map(|j| (j as f32 * 0.37 + s + i as f32).sin())
+                    .collect()
+            };
+            (f(0.1), f(2.3))
+        })
+        .collect();
+    let dims: Vec<(u32, u32, u32)> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, (_, (h, d)))| (i as u32, *h as u32, *d as u32))
+        .collect();
+    let layout = DonorLayout::f32(&dims, 4).unwrap();
+    let mut writer = DonorWriter::new(0, layout.clone()).unwrap();
+    let table: Vec<DonorBlock> = [2u32, 0]
+        .iter()
+        .map(|&block| DonorBlock {
+            block,
+            epoch: writer.claim(block),
+        })
+        .collect();
+    for (i, (k, v)) in data.iter().enumerate() {
+        let w = k.len() / rows;
+        for p in 0..rows {
+            let block = table[p / 32].block;
+            writer.write_row(
+                i,
+                block,
+                p % 32,
+                &k[p * w..(p + 1) * w],
+                &v[p * w..(p + 1) * w],
+            );
+        }
+    }
+    let reader = DonorReader::new(0, writer.handle(), layout).unwrap();
+    let view = reader.rows(&table, rows).unwrap();
+    let kind_index = |kind: LayerType| shapes.iter().position(|s| s.0 == kind);
+    let dev = candle_core::Device::Cpu;
+    let x = Tensor::new(
+        &(0..64).map(|i| (i as f32 * 0.1).cos()).collect::<Vec<_>>()[..],
+        &dev,
+    )
+    .unwrap();
+    let copies = assistant
+        .step(&x, &x, rows, |kind| {
+            let (k, v) = &data[kind_index(kind)?];
+            Some(Donor::Rows(DonorKv { k, v, rows }))
+        })
+        .unwrap();
+    let in_place = assistant
+        .step(&x, &x, rows, |kind| {
+            Some(Donor::Blocks {
+                rows: view,
+                layer: kind_index(kind)?,
+            })
+        })
+        .unwrap();
+    assert_eq!(copies.logits, in_place.logits);
+    view.check().unwrap();
 }

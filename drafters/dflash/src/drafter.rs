@@ -470,6 +470,7 @@ impl Drafter for DFlash {
             session,
             new_tokens,
             n,
+            donors: None,
         };
         self.draft_batch(&[ask]).pop().unwrap_or_default()
     }

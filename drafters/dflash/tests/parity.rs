@@ -133,6 +133,7 @@ fn run_at(name: &str, threshold: Option<f32>) {
             session: 1,
             new_tokens: &[],
             n: 16,
+            donors: None,
         };
         let block = d.blocks(&[ask]).unwrap().pop().unwrap().expect("a block");
         let drafts = ids(&round["drafts"]);
@@ -260,6 +261,7 @@ fn a_batched_draft_equals_each_session_alone() {
             session,
             new_tokens: &[],
             n: 8,
+            donors: None,
         };
         let both = d.blocks(&[ask(1), ask(2), ask(9)]).unwrap();
         assert!(

@@ -11,6 +11,7 @@ use tracing::{debug, warn};
 use super::{
     AdvanceArgs, Advanced, CommitArgs, DraftAsk, Drafter, OpenArgs, Outcome, Proposal, Taps,
 };
+use crate::donor::{DonorBlock, DonorReader, DonorRows};
 use crate::error::{Error, Result};
 use crate::shm::{RegionId, ShmReader, TapViews, TensorView};
 use crate::transport::Sender;
@@ -28,8 +29,20 @@ pub(super) struct Server<D> {
     max_draft_len: usize,
     to_host: Sender<DrafterMsg>,
     regions: HashMap<RegionId, ShmReader>,
-    /// Open sessions, each with the ids an `Advance` left for its next draft.
-    sessions: HashMap<SessionId, Vec<u32>>,
+    /// The K/V donor region, once mapped (1.2).
+    donors: Option<DonorReader>,
+    sessions: HashMap<SessionId, Session>,
+}
+
+/// An open session as the SDK tracks it.
+#[derive(Debug, Default)]
+struct Session {
+    /// Ids an `Advance` left for the next draft.
+    pending: Vec<u32>,
+    /// The donor block table, as the host's `DonorTables` built it.
+    donor_table: Vec<DonorBlock>,
+    /// Donor positions readable.
+    donor_len: usize,
 }
 
 impl<D: Drafter> Server<D> {
@@ -39,6 +52,7 @@ impl<D: Drafter> Server<D> {
             max_draft_len,
             to_host,
             regions: HashMap::new(),
+            donors: None,
             sessions: HashMap::new(),
         }
     }
@@ -78,7 +92,11 @@ impl<D: Drafter> Server<D> {
                 self.regions.insert(map.region, reader);
             }
             Request::Open(open) => {
-                if self.sessions.insert(open.session, Vec::new()).is_some() {
+                if self
+                    .sessions
+                    .insert(open.session, Session::default())
+                    .is_some()
+                {
                     // A re-open replaces the session (e.g. the host resent its context).
                     self.drafter.close(open.session);
                 }
@@ -102,20 +120,34 @@ impl<D: Drafter> Server<D> {
                 }
             }
             Request::Advance(advance) => {
-                if let Some(pending) = self.sessions.get_mut(&advance.session) {
+                if let Some(session) = self.sessions.get_mut(&advance.session) {
                     let args = AdvanceArgs {
                         ids: &advance.ids,
                         taps: read_taps(&self.regions, advance.taps.as_ref()),
                     };
                     match self.drafter.advance(advance.session, args) {
                         Advanced::Taken => {}
-                        Advanced::AsNewTokens => pending.extend_from_slice(&advance.ids),
+                        Advanced::AsNewTokens => session.pending.extend_from_slice(&advance.ids),
                     }
                 }
             }
             Request::Close(close) => {
                 if self.sessions.remove(&close.session).is_some() {
                     self.drafter.close(close.session);
+                }
+            }
+            Request::MapDonors(map) => {
+                self.donors = Some(DonorReader::new(map.region, map.shm, map.layout)?);
+            }
+            Request::DonorTables(tables) => {
+                for t in tables.tables {
+                    let Some(session) = self.sessions.get_mut(&t.session) else {
+                        continue;
+                    };
+                    let keep = (t.keep as usize).min(session.donor_table.len());
+                    session.donor_table.truncate(keep);
+                    session.donor_table.extend_from_slice(&t.append);
+                    session.donor_len = t.len as usize;
                 }
             }
             Request::Shutdown => unreachable!("invariant: handled by the caller"),
@@ -130,8 +162,8 @@ impl<D: Drafter> Server<D> {
         let mut open = Vec::with_capacity(draft.rows.len());
         for row in &draft.rows {
             match self.sessions.get_mut(&row.session) {
-                Some(pending) => {
-                    let mut ids = std::mem::take(pending);
+                Some(session) => {
+                    let mut ids = std::mem::take(&mut session.pending);
                     ids.extend_from_slice(&row.new_tokens);
                     new_tokens.push(ids);
                     open.push(true);
@@ -156,6 +188,7 @@ impl<D: Drafter> Server<D> {
                 session: row.session,
                 new_tokens: ids,
                 n: (row.n as usize).min(self.max_draft_len),
+                donors: donor_rows(self.donors.as_ref(), self.sessions.get(&row.session)),
             })
             .collect();
         let mut proposals = match asks.is_empty() {
@@ -208,6 +241,19 @@ fn drafted(p: Proposed) -> Drafted {
     Drafted {
         rows: rows.collect(),
     }
+}
+
+/// A session's donor rows, when the region is mapped and the host announced its table; a table
+/// that does not fit the region is dropped (logged) and the drafter goes without.
+fn donor_rows<'a>(
+    reader: Option<&'a DonorReader>,
+    session: Option<&'a Session>,
+) -> Option<DonorRows<'a>> {
+    let (reader, session) = (reader?, session?);
+    reader
+        .rows(&session.donor_table, session.donor_len)
+        .map_err(|e| warn!(error = %e, "donor table dropped"))
+        .ok()
 }
 
 /// Borrows every view; any torn or bad view drops the whole set (a partial set would misalign).

@@ -97,6 +97,8 @@ impl<D: Drafter + Send> Proposer for InProcess<D> {
                     session: a.session,
                     new_tokens,
                     n: a.n.min(self.max_draft_len),
+                    // In process the drafter gets K/V rows in its taps, not pool views.
+                    donors: None,
                 })
             })
             .collect();

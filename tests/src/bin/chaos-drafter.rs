@@ -142,6 +142,7 @@ fn run() -> Result<()> {
             kv_layers: if taps { vec![1] } else { vec![] },
         },
         late_capabilities: late,
+        kv_donor_views: false,
     };
     let connected = transport::connect(&bootstrap, &hello).context("connect")?;
     let welcome = match connected.reply {
@@ -200,7 +201,7 @@ fn run() -> Result<()> {
             Request::Open(o) => log("open", o.session, &o.prompt_taps)?,
             Request::Commit(c) => log("commit", c.session, &c.taps)?,
             Request::Advance(a) => log("advance", a.session, &a.taps)?,
-            Request::Close(_) => {}
+            Request::Close(_) | Request::MapDonors(_) | Request::DonorTables(_) => {}
             Request::Shutdown => return Ok(()),
             Request::Draft(d) => {
                 let rows = d.rows.iter().map(|row| {
