@@ -294,7 +294,12 @@ fn sampled_dflash_and_dspark_keep_the_target_distribution() {
             "{drafter}: {accepted} of {drafted} drafts accepted"
         );
         // Power: the drafter's own first proposals are far from the target's first token.
-        assert_eq!(firsts.iter().sum::<usize>(), runs as usize, "{drafter}");
+        // (A run whose first token ends it never drafts: nearly every run has a first round.)
+        let drafted_first = firsts.iter().sum::<usize>();
+        assert!(
+            drafted_first * 100 >= runs as usize * 99,
+            "{drafter}: {drafted_first}"
+        );
         let (stat, df) = chi_square(&plain[0], &firsts);
         assert!(
             stat > critical(df),
@@ -381,19 +386,23 @@ fn greedy(
     out.token_ids
 }
 
-/// For every round of `after` whose anchor position `clean` also drafted from, whether the
-/// drafts (on their common length) and so the acceptance are the same: (same, compared).
-fn matching_rounds(clean: &[Round], after: &[&Round]) -> (usize, usize) {
-    let mut same = 0;
-    let mut compared = 0;
-    for r in after {
-        if let Some(c) = clean.iter().find(|c| c.pos == r.pos) {
+/// The rounds of `after` that `clean` also drafted from the same anchor position, paired.
+fn shared<'a>(clean: &'a [Round], after: &[&'a Round]) -> Vec<(&'a Round, &'a Round)> {
+    after
+        .iter()
+        .filter_map(|r| clean.iter().find(|c| c.pos == r.pos).map(|c| (c, *r)))
+        .collect()
+}
+
+/// Of `pairs`, how many drafted the same tokens (on their common length).
+fn same_drafts(pairs: &[(&Round, &Round)]) -> usize {
+    pairs
+        .iter()
+        .filter(|(c, r)| {
             let n = c.tokens.len().min(r.tokens.len());
-            compared += 1;
-            same += usize::from(c.tokens[..n] == r.tokens[..n]);
-        }
-    }
-    (same, compared)
+            c.tokens[..n] == r.tokens[..n]
+        })
+        .count()
 }
 
 const FAULT_TOKENS: usize = 64;
@@ -451,7 +460,8 @@ fn swap_to_and_from_dflash_mid_request() {
         "every DFlash instance drafted: {instances:?}"
     );
     let reopened: Vec<&Round> = rounds.iter().filter(|r| r.instance == 2).collect();
-    let (same, compared) = matching_rounds(&clean, &reopened);
+    let pairs = shared(&clean, &reopened);
+    let (same, compared) = (same_drafts(&pairs), pairs.len());
     assert!(
         compared >= 2 && same == compared,
         "after the re-open {same} of {compared} rounds drafted as an undisturbed DFlash \
@@ -566,11 +576,20 @@ fn torn_taps_are_dropped_and_drafting_recovers() {
         torn[3].pos > resumed,
         "the round after the torn commit (at {resumed}) was skipped: {torn:?}"
     );
+    // The hole (the torn window's rows) stays in the context, so later blocks differ in their
+    // tails; what they get accepted is what an undisturbed drafter gets.
     let later: Vec<&Round> = torn[3..].iter().skip(2).collect();
-    let (same, compared) = matching_rounds(&clean, &later);
+    let pairs = shared(&clean, &later);
+    let accepted = |pick: fn(&(&Round, &Round)) -> usize| pairs.iter().map(pick).sum::<usize>();
+    let (now, before) = (accepted(|p| p.1.accepted), accepted(|p| p.0.accepted));
+    let same = pairs
+        .iter()
+        .filter(|(c, r)| c.accepted == r.accepted)
+        .count();
     assert!(
-        compared >= 2 && same * 4 >= compared * 3,
-        "{same} of {compared} rounds after the fault drafted as an undisturbed DFlash did:\n\
-         {torn:?}\nclean: {clean:?}"
+        pairs.len() >= 4 && same * 4 >= pairs.len() * 3,
+        "after the fault {same} of {} rounds had the undisturbed acceptance ({now} vs {before} \
+         accepted):\n{torn:?}\nclean: {clean:?}",
+        pairs.len()
     );
 }

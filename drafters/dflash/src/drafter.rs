@@ -440,7 +440,9 @@ fn io_parts(config: &DraftConfig, tensors: &Tensors, parts: TargetParts) -> Resu
 impl Drafter for DFlash {
     fn info(&self) -> DrafterInfo {
         let version = env!("CARGO_PKG_VERSION");
-        match &self.early_caps {
+        // Loaded (an in-process host calls `load` itself): the target's real capabilities.
+        let known = self.capabilities_for_target().or(self.early_caps.as_ref());
+        match known {
             Some(caps) => DrafterInfo::new("dflash", version, caps.clone()),
             // Placeholder until the weights for the target are found.
             None => DrafterInfo::new("dflash", version, Capabilities::tokens_only(1))
