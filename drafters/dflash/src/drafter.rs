@@ -53,6 +53,8 @@ pub struct Options {
     pub block_size: Option<usize>,
     /// DSpark: cut the block at the first slot whose confidence is below this (0: never).
     pub confidence_threshold: f32,
+    /// Requantize the drafter's own projections to Q8_0 (`--linear-dtype q8_0`).
+    pub q8_linears: bool,
 }
 
 impl Default for Options {
@@ -60,6 +62,7 @@ impl Default for Options {
         Options {
             block_size: None,
             confidence_threshold: 0.0,
+            q8_linears: false,
         }
     }
 }
@@ -159,7 +162,8 @@ impl DFlash {
         let dir = self.source.resolve(target)?;
         let config = DraftConfig::from_file(&dir.join("config.json"))?;
         check_target(&config, target)?;
-        let tensors = Tensors::read(&dir.join("model.safetensors"), &self.device)?;
+        let tensors = Tensors::read(&dir.join("model.safetensors"), &self.device)?
+            .with_q8(self.options.q8_linears);
         let parts = TargetParts::open(target.weights_path.as_ref(), &self.device)
             .map_err(|e| Error::Target(format!("cannot read the target's weights: {e}")))?;
         let block = block_size(&config, &self.options)?;
