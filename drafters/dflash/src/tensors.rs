@@ -102,7 +102,7 @@ impl Tensors {
             false => None,
         };
         let bad = |e: String| self.bad(format!("{prefix}: {e}"));
-        match self.q8 && inp % 32 == 0 {
+        match self.q8 && inp.is_multiple_of(32) {
             true => {
                 let q = QTensor::quantize(&w, GgmlDType::Q8_0).map_err(|e| bad(e.to_string()))?;
                 Linear::quantized(Arc::new(q), b).map_err(|e| bad(e.to_string()))
