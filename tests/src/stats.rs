@@ -47,6 +47,10 @@ mod tests {
         assert_eq!(chi_square(&[3, 2, 50], &[4, 1, 50]).1, 1);
         // Wilson–Hilferty against the tables (p 0.001): 16.27 at df 3, 149.45 at df 100.
         assert!((critical(3) / 16.27 - 1.0).abs() < 0.02, "{}", critical(3));
-        assert!((critical(100) / 149.45 - 1.0).abs() < 0.005, "{}", critical(100));
+        assert!(
+            (critical(100) / 149.45 - 1.0).abs() < 0.005,
+            "{}",
+            critical(100)
+        );
     }
 }
