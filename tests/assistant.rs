@@ -19,7 +19,7 @@ use target_host::engine::EngineConfig;
 use target_host::generation::{generate, Flow, Generation, GenerationRequest, Speculation};
 use target_host::proposer::ProposerSlot;
 
-use crate::generate::{chi_square, critical};
+use specula_tests::stats::{chi_square, critical};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")

@@ -531,3 +531,210 @@ fn every_committed_position_reaches_a_tap_drafter_exactly_once() {
     assert!(got.iter().filter(|g| !g.token_ids.is_empty()).count() >= 2);
     assert_eq!(got[0].token_ids, solo_plain(&loaded, &reqs[0]));
 }
+
+/// One line of the chaos drafter's `taps-check --rows` log.
+#[derive(Debug, Clone)]
+struct TapLine {
+    kind: String,
+    rows: usize,
+    /// First row's position and one checksum per row (`None`: the message had no taps).
+    at: Option<(usize, Vec<u64>)>,
+}
+
+/// The log's lines per session, in message order.
+fn tap_log(text: &str) -> std::collections::HashMap<String, Vec<TapLine>> {
+    let mut by = std::collections::HashMap::<String, Vec<TapLine>>::new();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split(' ').collect();
+        assert!(f.len() >= 3 && f[2] != "torn", "torn or short line: {line}");
+        let at = match f[3] {
+            "none" => None,
+            _ => {
+                let sums = f[5].split(',').map(|c| c.parse().expect("checksum"));
+                Some((f[4].parse().expect("position"), sums.collect()))
+            }
+        };
+        by.entry(f[1].to_string()).or_default().push(TapLine {
+            kind: f[0].to_string(),
+            rows: f[2].parse().expect("row count"),
+            at,
+        });
+    }
+    by
+}
+
+/// Checks one session's lines: after its last `open`, every position `0..told - 1` arrives
+/// exactly once and in order, each with taps; and every position's taps are the same bits in
+/// every message that carried them (a re-open re-sends what the first life saw). Returns the
+/// number of `open`s.
+fn every_position_once(lines: &[TapLine], told: usize, what: &str) -> usize {
+    let last_open = lines
+        .iter()
+        .rposition(|l| l.kind == "open")
+        .unwrap_or_else(|| panic!("{what}: no open in {lines:?}"));
+    let mut next = 0;
+    for l in &lines[last_open..] {
+        let (pos, sums) =
+            l.at.as_ref()
+                .unwrap_or_else(|| panic!("{what}: no taps: {l:?}"));
+        assert_eq!(*pos, next, "{what}: a hole or a repeat at {l:?}");
+        assert_eq!(sums.len(), l.rows, "{what}: {l:?}");
+        next += l.rows;
+    }
+    assert_eq!(
+        next,
+        told - 1,
+        "{what}: taps of every position before the pending one"
+    );
+    let mut seen = std::collections::HashMap::new();
+    for l in lines {
+        let Some((pos, sums)) = &l.at else { continue };
+        for (i, s) in sums.iter().enumerate() {
+            let first = *seen.entry(pos + i).or_insert(*s);
+            assert_eq!(
+                first,
+                *s,
+                "{what}: position {} changed between messages",
+                pos + i
+            );
+        }
+    }
+    lines.iter().filter(|l| l.kind == "open").count()
+}
+
+/// A drafter process with `config`, shared so the test can read its counters.
+fn observed_drafter(
+    loaded: &LoadedModel,
+    args: &[&str],
+    config: ClientConfig,
+) -> (Box<dyn Proposer>, Arc<Mutex<DrafterClient>>) {
+    let spec = DrafterSpec::new(bin_path("chaos-drafter")).with_args(args.iter().copied());
+    let target = target_info(&loaded.model, &loaded.tokenizer);
+    let client = DrafterClient::start(spec, target, config).expect("drafter starts");
+    let (shared, handle) = target_host::proposer::Shared::new(client);
+    (Box::new(shared), handle)
+}
+
+fn tap_requests(prompts: &[Vec<u32>], max_tokens: usize) -> Vec<GenerationRequest> {
+    prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let spec = match i % 2 {
+                0 => Speculation::On {
+                    num_draft_tokens: 2,
+                },
+                _ => Speculation::Adaptive {
+                    max_draft_tokens: 2,
+                },
+            };
+            request(i as u64 + 1, p, max_tokens, spec)
+        })
+        .collect()
+}
+
+fn told(prompt: &[u32], g: &Generation) -> usize {
+    let eos = usize::from(g.finish_reason == target_host::generation::FinishReason::Stop);
+    prompt.len() + g.token_ids.len() + eos
+}
+
+fn slow_drafts() -> EngineConfig {
+    EngineConfig {
+        max_batch_tokens: 16,
+        profile: false,
+        draft_deadline_steps: 1000.0,
+        draft_deadline_cap: Duration::from_secs(5),
+        ..EngineConfig::default()
+    }
+}
+
+/// A tap drafter that crashes mid-request is respawned, and the engine opens every session on
+/// the new process with the taps of every committed position (not ids only): from that `Open`
+/// on, each position arrives once, in order, with the same bits as before the crash.
+#[test]
+fn a_respawned_tap_drafter_gets_every_positions_taps_at_its_reopen() {
+    let loaded = smollm_f32();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (log, flag) = (dir.path().join("taps.log"), dir.path().join("crashed"));
+    let args = [
+        "--mode",
+        "taps-check",
+        "--rows",
+        "--out",
+        log.to_str().expect("utf-8"),
+        "--crash-once",
+        flag.to_str().expect("utf-8"),
+        "--after",
+        "3",
+    ];
+    let config = ClientConfig {
+        draft_deadline: Duration::from_secs(5),
+        ..ClientConfig::default()
+    };
+    let (proposer, client) = observed_drafter(&loaded, &args, config);
+    let prompts: Vec<Vec<u32>> = vec![(1..9).collect(), (20..25).collect()];
+    let reqs = tap_requests(&prompts, 40);
+    let got = batch(&loaded, Some(proposer), slow_drafts(), &reqs);
+    assert!(flag.exists(), "the drafter crashed once");
+    let mut client = client.lock().unwrap();
+    assert_eq!(client.stats().restarts, 1);
+    assert!(client.barrier(), "the drafter handled every message");
+    let by = tap_log(&std::fs::read_to_string(&log).expect("the drafter's log"));
+    let mut reopened = 0;
+    for (i, g) in got.iter().enumerate() {
+        let lines = &by[&(i + 1).to_string()];
+        let opens = every_position_once(lines, told(&prompts[i], g), &format!("session {i}"));
+        reopened += usize::from(opens > 1);
+        assert_eq!(g.token_ids, solo_plain(&loaded, &reqs[i]), "request {i}");
+    }
+    assert!(
+        reopened >= 1,
+        "a session was re-opened on the new process: {by:?}"
+    );
+}
+
+/// An `Open` whose taps exceed the shared region is split into `Open` + `Advance`s, each fitting
+/// it: the drafter still gets every position once, in order (nothing dropped), and drafts are
+/// capped so a `Commit`'s rows fit too.
+#[test]
+fn an_open_larger_than_the_tap_region_is_split_never_dropped() {
+    let loaded = smollm_f32();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let log = dir.path().join("taps.log");
+    let args = [
+        "--mode",
+        "taps-check",
+        "--rows",
+        "--out",
+        log.to_str().expect("utf-8"),
+    ];
+    // SmolLM2 taps of this drafter: 8448 bytes a row; half of 64 KiB holds 3 rows.
+    let config = ClientConfig {
+        draft_deadline: Duration::from_secs(5),
+        region_bytes: 64 << 10,
+        ..ClientConfig::default()
+    };
+    let (proposer, client) = observed_drafter(&loaded, &args, config);
+    let prompts: Vec<Vec<u32>> = vec![(1..21).collect(), (30..41).collect()];
+    let reqs = tap_requests(&prompts, 12);
+    let got = batch(&loaded, Some(proposer), slow_drafts(), &reqs);
+    let mut client = client.lock().unwrap();
+    assert!(client.barrier(), "the drafter handled every message");
+    let stats = client.stats();
+    assert_eq!(stats.split_opens, 2, "{stats:?}");
+    assert_eq!(stats.taps_undelivered, 0);
+    let by = tap_log(&std::fs::read_to_string(&log).expect("the drafter's log"));
+    for (i, g) in got.iter().enumerate() {
+        let lines = &by[&(i + 1).to_string()];
+        assert_eq!(every_position_once(lines, told(&prompts[i], g), "split"), 1);
+        assert!(
+            lines.iter().all(|l| l.rows <= 3),
+            "every window fits: {lines:?}"
+        );
+        assert!(
+            lines.iter().any(|l| l.kind == "commit"),
+            "drafts verified: {lines:?}"
+        );
+        assert_eq!(g.token_ids, solo_plain(&loaded, &reqs[i]), "request {i}");
+    }
+}

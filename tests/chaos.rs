@@ -1,7 +1,8 @@
 //! Misbehaving drafters against the real model: whatever the drafter does (random or
 //! out-of-vocabulary ids, too many ids, NaN probabilities, sleeping past the deadline, exiting
 //! mid-request, speaking an old protocol, refusing the target), the request completes with
-//! exactly the plain greedy output.
+//! exactly the plain greedy output. The DFlash drafter killed mid-request is respawned and
+//! re-opened with the whole context's taps, and drafts as before.
 
 use specula_tests::{cli_generate, model_path};
 
@@ -134,4 +135,189 @@ fn generate_hi(model: &str, extra: &[&str]) -> std::process::Output {
         .args(extra)
         .output()
         .expect("run target-host")
+}
+
+/// One line the DFlash drafter logs at debug level (through the host's log): its pid, the event
+/// (`open`, `draft`, `commit`) and its fields.
+#[derive(Debug, Clone)]
+struct DrafterEvent {
+    pid: u32,
+    event: String,
+    fields: Vec<(String, String)>,
+}
+
+impl DrafterEvent {
+    /// Parses a host log line `... drafter: ... dflash::drafter: EVENT k=v ... pid=N`.
+    fn parse(line: &str) -> Option<DrafterEvent> {
+        let line = strip_ansi(line);
+        let (_, rest) = line.split_once("dflash::drafter: ")?;
+        let (event, rest) = rest.split_once(' ')?;
+        let mut fields = Vec::new();
+        // (key start, '=') of every field; values never hold '=' (ids print as [1, 2, 3]).
+        let pieces: Vec<(usize, usize)> = rest
+            .match_indices('=')
+            .map(|(i, _)| (rest[..i].rfind(' ').map_or(0, |s| s + 1), i))
+            .collect();
+        for (n, &(from, eq)) in pieces.iter().enumerate() {
+            let end = pieces.get(n + 1).map_or(rest.len(), |&(next, _)| next);
+            fields.push((
+                rest[from..eq].to_string(),
+                rest[eq + 1..end].trim().to_string(),
+            ));
+        }
+        let pid = fields.iter().find(|(k, _)| k == "pid")?.1.parse().ok()?;
+        Some(DrafterEvent {
+            pid,
+            event: event.to_string(),
+            fields,
+        })
+    }
+
+    fn get(&self, key: &str) -> &str {
+        self.fields
+            .iter()
+            .find(|(k, _)| k == key)
+            .map_or("", |(_, v)| v.as_str())
+    }
+
+    fn num(&self, key: &str) -> usize {
+        self.get(key)
+            .parse()
+            .unwrap_or_else(|_| panic!("{key} in {self:?}"))
+    }
+}
+
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // CSI: ESC [ ... final byte in @..~
+            for c in chars.by_ref() {
+                if ('@'..='~').contains(&c) && c != '[' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// `target-host generate` with the DFlash drafter process (debug log on), SIGKILLing the
+/// drafter after its `kill_after`-th commit when that is not 0; returns (ids, drafter events).
+fn dflash_generate(kill_after: usize) -> (Vec<u32>, Vec<DrafterEvent>) {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let model = model_path("smollm2-135m");
+    let mut child = Command::new(specula_tests::bin_path("target-host"))
+        .args(["generate", "--json", "--max-tokens", "64", "--chat", PROMPT])
+        .arg("--model")
+        .arg(&model)
+        .arg("--drafter")
+        .arg(specula_tests::bin_path("dflash"))
+        .args(["--num-draft-tokens", "7", "--fixed-draft"])
+        .args(["--draft-deadline-ms", "10000"])
+        .env("RUST_LOG", "info,dflash=debug")
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn target-host");
+    let stdout = child.stdout.take().expect("piped");
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut BufReader::new(stdout), &mut s).map(|_| s)
+    });
+    let mut events = Vec::new();
+    let mut log = String::new();
+    let mut killed = false;
+    for line in BufReader::new(child.stderr.take().expect("piped"))
+        .lines()
+        .map_while(Result::ok)
+    {
+        log.push_str(&line);
+        log.push('\n');
+        let Some(e) = DrafterEvent::parse(&line) else {
+            continue;
+        };
+        let commits = events
+            .iter()
+            .filter(|x: &&DrafterEvent| x.event == "commit")
+            .count();
+        let is_commit = e.event == "commit";
+        let pid = e.pid;
+        events.push(e);
+        if kill_after > 0 && !killed && is_commit && commits + 1 == kill_after {
+            let status = Command::new("kill")
+                .args(["-9", &pid.to_string()])
+                .status()
+                .expect("kill");
+            assert!(status.success());
+            killed = true;
+        }
+    }
+    let status = child.wait().expect("target-host exits");
+    let out = reader.join().expect("reader").expect("stdout");
+    assert!(status.success(), "target-host failed:\n{log}");
+    assert!(
+        kill_after == 0 || killed,
+        "never killed the drafter:\n{log}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).expect("--json output");
+    let ids = v["token_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{v}"))
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect();
+    (ids, events)
+}
+
+/// The DFlash drafter SIGKILLed mid-request: the host respawns it and re-opens the session with
+/// the taps of the whole context, so the output equals plain decoding and the new process
+/// drafts, from its first round, exactly what the undisturbed drafter drafted at the same
+/// positions (acceptance back to full at once).
+#[test]
+fn dflash_respawn_after_a_kill_recovers_full_acceptance() {
+    let path = model_path("smollm2-135m");
+    let model = path.to_str().expect("utf-8 path");
+    let (_, plain) = cli_generate(model, "chat", PROMPT, 64, &["--no-speculation"]);
+    let (clean_ids, clean) = dflash_generate(0);
+    assert_eq!(clean_ids, plain);
+    let (ids, events) = dflash_generate(3);
+    assert_eq!(ids, plain, "the kill changed the output");
+    let first_pid = events[0].pid;
+    let after: Vec<&DrafterEvent> = events.iter().filter(|e| e.pid != first_pid).collect();
+    let open = after
+        .iter()
+        .find(|e| e.event == "open")
+        .unwrap_or_else(|| panic!("the respawned drafter was never opened: {events:?}"));
+    assert_eq!(
+        (open.num("rows"), open.num("missing")),
+        (open.num("pos"), 0),
+        "the re-open carries the taps of every position before the pending one: {open:?}"
+    );
+    let drafts = |es: &[&DrafterEvent]| -> Vec<(usize, String)> {
+        es.iter()
+            .filter(|e| e.event == "draft")
+            .map(|e| (e.num("pos"), e.get("tokens").to_string()))
+            .collect()
+    };
+    let clean_drafts = drafts(&clean.iter().collect::<Vec<_>>());
+    let new_drafts = drafts(&after);
+    let compared: Vec<_> = new_drafts
+        .iter()
+        .filter_map(|(pos, t)| {
+            clean_drafts
+                .iter()
+                .find(|(p, _)| p == pos)
+                .map(|(_, c)| (pos, t == c))
+        })
+        .collect();
+    assert!(
+        compared.len() >= 2 && compared.iter().all(|(_, same)| *same),
+        "after the respawn: {compared:?}\nnew {new_drafts:?}\nclean {clean_drafts:?}"
+    );
 }

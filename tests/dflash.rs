@@ -1,10 +1,40 @@
-//! The law with the DFlash / DSpark drafter on SmolLM2-135M and the drafters trained for it
-//! (`drafters/weights/smollm2-135m/`, found by the drafter from the target's identity): greedy
-//! output equals `--no-speculation` on every prompt, and the drafts are accepted at all.
+//! The law with the DFlash / DSpark drafter.
+//!
+//! - Greedy, end to end: on SmolLM2-135M with the drafters trained for it
+//!   (`drafters/weights/smollm2-135m/`, found by the drafter from the target's identity), output
+//!   equals `--no-speculation` on every prompt, and drafts are accepted at all.
+//! - Sampled: on the tiny random Qwen3 target of the parity fixtures with its random DFlash and
+//!   DSpark drafters (in process: thousands of seeded runs), the tokens committed through
+//!   rejection sampling with the drafter's own `q` rows pass the chi-square test against plain
+//!   sampling, while the drafter's proposals alone fail it (the test has power).
+//! - Faults, in process on SmolLM2: a hot swap to and from DFlash mid-request, and torn taps
+//!   (shared-memory views the writer lapped): output unchanged, drafting back to what an
+//!   undisturbed drafter proposes. The respawn after a kill runs the real processes
+//!   (`chaos::dflash_respawn_*`).
 
 use std::process::Command;
+use std::sync::{Arc, Mutex};
 
-use specula_tests::{bin_path, model_path};
+use dflash::{DFlash, Options, WeightsSource};
+use ngram::{NgramConfig, NgramDrafter};
+use specula_models::chat::{ChatMessage, GenerationPrompt};
+use specula_models::loader::{load, LoadOptions, LoadedModel};
+use specula_models::sampling::SamplingParams;
+use specula_models::tokenizer::Special;
+use specula_protocol::sdk::{
+    AdvanceArgs, Advanced, CommitArgs, DraftAsk, Drafter, DrafterInfo, OpenArgs, Proposal, Taps,
+};
+use specula_protocol::shm::{ShmReader, ShmWriter, TensorRef, TensorView};
+use specula_tests::stats::{chi_square, critical};
+use specula_tests::tiny::write_tiny_tokenizer;
+use specula_tests::{bin_path, model_path, workspace_root};
+use target_host::drafter::InProcess;
+use target_host::drafter_args::target_info;
+use target_host::engine::EngineConfig;
+use target_host::generation::{generate as run_engine, Flow, GenerationRequest, Speculation};
+use target_host::proposer::{
+    Draft, DraftBatch, Proposer, ProposerSlot, SessionId, TapRows, Verdict, Wants,
+};
 
 const MAX_TOKENS: usize = 40;
 
@@ -87,4 +117,479 @@ fn dflash_greedy_equals_plain_smollm2() {
 #[test]
 fn dspark_greedy_equals_plain_smollm2() {
     check("dspark");
+}
+
+/// The tiny random Qwen3 target the parity fixtures were made on (vocabulary 128, 6 layers),
+/// with a word-level tokenizer so that the real loader takes it.
+fn fixture_target() -> (tempfile::TempDir, LoadedModel) {
+    let src = workspace_root().join("tests/fixtures/dflash/target");
+    let dir = tempfile::tempdir().expect("temp dir");
+    for f in ["config.json", "generation_config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).expect("copy the fixture target");
+    }
+    write_tiny_tokenizer(dir.path(), 128).expect("write tokenizer");
+    let loaded = load(dir.path(), &LoadOptions::default()).expect("load the fixture target");
+    (dir, loaded)
+}
+
+/// One round with drafts as the proposer saw it: the anchor's position, the drafts, how many
+/// the target accepted, and which proposer instance drafted (a swap makes a new one).
+#[derive(Debug, Clone, PartialEq)]
+struct Round {
+    instance: usize,
+    pos: usize,
+    tokens: Vec<u32>,
+    accepted: usize,
+}
+
+/// A proposer that records its rounds (a batch of one session).
+struct Recording {
+    inner: Box<dyn Proposer>,
+    instance: usize,
+    rounds: Arc<Mutex<Vec<Round>>>,
+    pos: usize,
+}
+
+impl Recording {
+    fn new(inner: Box<dyn Proposer>, instance: usize, rounds: &Arc<Mutex<Vec<Round>>>) -> Self {
+        Recording {
+            inner,
+            instance,
+            rounds: rounds.clone(),
+            pos: 0,
+        }
+    }
+}
+
+impl Proposer for Recording {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn wants(&self) -> Wants {
+        self.inner.wants()
+    }
+    fn open(
+        &mut self,
+        session: SessionId,
+        context: &[u32],
+        sampling: &SamplingParams,
+        taps: Option<&TapRows>,
+    ) {
+        self.pos = context.len() - 1;
+        self.inner.open(session, context, sampling, taps);
+    }
+    fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
+        let drafts = self.inner.draft(batch);
+        if let Some(d) = drafts.first().filter(|d| !d.tokens.is_empty()) {
+            self.rounds.lock().expect("lock").push(Round {
+                instance: self.instance,
+                pos: self.pos,
+                tokens: d.tokens.clone(),
+                accepted: 0,
+            });
+        }
+        drafts
+    }
+    fn commit(&mut self, session: SessionId, verdict: &Verdict<'_>) {
+        if let Some(r) = self.rounds.lock().expect("lock").last_mut() {
+            r.accepted = verdict.accepted;
+        }
+        self.pos += verdict.committed.len();
+        self.inner.commit(session, verdict);
+    }
+    fn advance(&mut self, session: SessionId, ids: &[u32], taps: Option<&TapRows>) {
+        self.pos += ids.len();
+        self.inner.advance(session, ids, taps);
+    }
+    fn close(&mut self, session: SessionId) {
+        self.inner.close(session);
+    }
+}
+
+/// Per position, how often each id was committed over `runs` seeded runs at temperature 1; with
+/// `drafter` (a fixture folder) also the histogram of its first proposal and the totals
+/// (drafted, accepted).
+fn histograms(
+    loaded: &LoadedModel,
+    drafter: Option<&str>,
+    runs: u64,
+) -> (Vec<Vec<usize>>, Vec<usize>, (usize, usize)) {
+    const PROMPT: [u32; 5] = [11, 12, 13, 40, 7];
+    const POSITIONS: usize = 3;
+    let vocab = loaded.model.config().vocab_size;
+    let info = target_info(&loaded.model, &loaded.tokenizer);
+    let mut hist = vec![vec![0usize; vocab]; POSITIONS];
+    let mut firsts = vec![0usize; vocab];
+    let mut totals = (0, 0);
+    for seed in 0..runs {
+        let rounds = Arc::new(Mutex::new(Vec::new()));
+        let proposer: Option<Box<dyn Proposer>> = drafter.map(|name| {
+            let dir = workspace_root().join("tests/fixtures/dflash").join(name);
+            let mut d = DFlash::new(WeightsSource::Path(dir), Options::default()).expect("config");
+            d.load(&info)
+                .expect("the fixture drafter fits the fixture target");
+            Box::new(Recording::new(Box::new(InProcess::new(d)), 0, &rounds)) as Box<dyn Proposer>
+        });
+        let speculation = match drafter {
+            Some(_) => Speculation::On {
+                num_draft_tokens: 3,
+            },
+            None => Speculation::Off,
+        };
+        let req = GenerationRequest {
+            session: 1,
+            prompt_ids: PROMPT.to_vec(),
+            max_tokens: POSITIONS,
+            sampling: SamplingParams {
+                temperature: 1.0,
+                seed: Some(seed),
+                ..SamplingParams::default()
+            },
+            stop: vec![],
+            speculation,
+            logprobs: None,
+        };
+        let slot = ProposerSlot::new(proposer);
+        let out = run_engine(
+            &loaded.model,
+            &loaded.tokenizer,
+            &slot,
+            &EngineConfig::default(),
+            &req,
+            &mut |_| Flow::Continue,
+        )
+        .expect("generate");
+        for (i, &t) in out.token_ids.iter().enumerate() {
+            hist[i][t as usize] += 1;
+        }
+        if let Some(r) = rounds.lock().expect("lock").first() {
+            firsts[r.tokens[0] as usize] += 1;
+        }
+        totals.0 += out.stats.drafted;
+        totals.1 += out.stats.accepted;
+    }
+    (hist, firsts, totals)
+}
+
+/// Sampled output with DFlash and DSpark (the drafter's `q` rows, the target's rejection
+/// sampler) has the target's distribution at every position.
+#[test]
+fn sampled_dflash_and_dspark_keep_the_target_distribution() {
+    let (_dir, loaded) = fixture_target();
+    let runs = 2000;
+    let (plain, _, _) = histograms(&loaded, None, runs);
+    for drafter in ["dflash", "dspark_gated_conf"] {
+        let (spec, firsts, (drafted, accepted)) = histograms(&loaded, Some(drafter), runs);
+        for (i, (p, s)) in plain.iter().zip(&spec).enumerate() {
+            let (stat, df) = chi_square(p, s);
+            assert!(
+                stat < critical(df),
+                "{drafter} position {i}: chi2 {stat:.1} >= {:.1} (df {df})",
+                critical(df)
+            );
+        }
+        // The drafts were really verified, and some were accepted and some rejected.
+        assert!(
+            accepted > drafted / 20 && accepted < drafted,
+            "{drafter}: {accepted} of {drafted} drafts accepted"
+        );
+        // Power: the drafter's own first proposals are far from the target's first token.
+        // (A run whose first token ends it never drafts: nearly every run has a first round.)
+        let drafted_first = firsts.iter().sum::<usize>();
+        assert!(
+            drafted_first * 100 >= runs as usize * 99,
+            "{drafter}: {drafted_first}"
+        );
+        let (stat, df) = chi_square(&plain[0], &firsts);
+        assert!(
+            stat > critical(df),
+            "{drafter}: the test cannot tell q from p (chi2 {stat:.1}, df {df})"
+        );
+    }
+}
+
+/// SmolLM2-135M in process, with a chat prompt in its template.
+fn smollm2() -> (LoadedModel, Vec<u32>) {
+    let loaded = load(&model_path("smollm2-135m"), &LoadOptions::default()).expect("load SmolLM2");
+    let template = loaded
+        .chat_template
+        .as_ref()
+        .expect("SmolLM2 has a template");
+    let text = template
+        .render(
+            &[ChatMessage::new(
+                "user",
+                "Write a Python function that returns the factorial of n.",
+            )],
+            GenerationPrompt::Add,
+        )
+        .expect("render");
+    let ids = loaded
+        .tokenizer
+        .encode(&text, Special::Parse)
+        .expect("encode");
+    (loaded, ids)
+}
+
+/// The shipped DFlash drafter for `loaded`, in process, wrapped by `wrap`.
+fn shipped<D: Drafter + Send + 'static>(
+    loaded: &LoadedModel,
+    wrap: impl FnOnce(DFlash) -> D,
+) -> Box<dyn Proposer> {
+    let root = workspace_root().join("drafters/weights");
+    let source = WeightsSource::Shipped {
+        root,
+        kind: "dflash".into(),
+    };
+    let mut d = DFlash::new(source, Options::default()).expect("options");
+    d.load(&target_info(&loaded.model, &loaded.tokenizer))
+        .expect("weights shipped for SmolLM2");
+    Box::new(InProcess::new(wrap(d)))
+}
+
+/// A greedy generation of `max_tokens` with a fixed k; `on_token(n)` runs after the n-th token.
+fn greedy(
+    loaded: &LoadedModel,
+    prompt: &[u32],
+    slot: &ProposerSlot,
+    max_tokens: usize,
+    on_token: &mut dyn FnMut(usize),
+) -> Vec<u32> {
+    let req = GenerationRequest {
+        session: 1,
+        prompt_ids: prompt.to_vec(),
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop: vec![],
+        speculation: match slot.lock().is_some() {
+            true => Speculation::On {
+                num_draft_tokens: 7,
+            },
+            false => Speculation::Off,
+        },
+        logprobs: None,
+    };
+    let mut n = 0;
+    let out = run_engine(
+        &loaded.model,
+        &loaded.tokenizer,
+        slot,
+        &EngineConfig::default(),
+        &req,
+        &mut |_| {
+            n += 1;
+            on_token(n);
+            Flow::Continue
+        },
+    )
+    .expect("generate");
+    out.token_ids
+}
+
+/// The rounds of `after` that `clean` also drafted from the same anchor position, paired.
+fn shared<'a>(clean: &'a [Round], after: &[&'a Round]) -> Vec<(&'a Round, &'a Round)> {
+    after
+        .iter()
+        .filter_map(|r| clean.iter().find(|c| c.pos == r.pos).map(|c| (c, *r)))
+        .collect()
+}
+
+/// Of `pairs`, how many drafted the same tokens (on their common length).
+fn same_drafts(pairs: &[(&Round, &Round)]) -> usize {
+    pairs
+        .iter()
+        .filter(|(c, r)| {
+            let n = c.tokens.len().min(r.tokens.len());
+            c.tokens[..n] == r.tokens[..n]
+        })
+        .count()
+}
+
+const FAULT_TOKENS: usize = 64;
+
+/// A hot swap dflash → ngram → dflash in the middle of a request: the output equals plain
+/// decoding, and the re-opened DFlash drafts exactly what an undisturbed one drafts from the
+/// same positions (its context was rebuilt in full), from its first round on.
+#[test]
+fn swap_to_and_from_dflash_mid_request() {
+    let (loaded, prompt) = smollm2();
+    let plain = greedy(
+        &loaded,
+        &prompt,
+        &ProposerSlot::new(None),
+        FAULT_TOKENS,
+        &mut |_| {},
+    );
+    let clean_rounds = Arc::new(Mutex::new(Vec::new()));
+    let slot = ProposerSlot::new(Some(Box::new(Recording::new(
+        shipped(&loaded, |d| d),
+        0,
+        &clean_rounds,
+    ))));
+    assert_eq!(
+        greedy(&loaded, &prompt, &slot, FAULT_TOKENS, &mut |_| {}),
+        plain
+    );
+    let clean = clean_rounds.lock().expect("lock").clone();
+
+    let rounds = Arc::new(Mutex::new(Vec::new()));
+    let slot = ProposerSlot::new(Some(Box::new(Recording::new(
+        shipped(&loaded, |d| d),
+        0,
+        &rounds,
+    ))));
+    let mut swap = |n: usize| {
+        let next: Box<dyn Proposer> = match n {
+            16 => {
+                let ngram = NgramDrafter::new(NgramConfig::default(), 16);
+                Box::new(Recording::new(Box::new(InProcess::new(ngram)), 1, &rounds))
+            }
+            28 => Box::new(Recording::new(shipped(&loaded, |d| d), 2, &rounds)),
+            _ => return,
+        };
+        slot.replace(Some(next));
+    };
+    assert_eq!(
+        greedy(&loaded, &prompt, &slot, FAULT_TOKENS, &mut swap),
+        plain
+    );
+    let rounds = rounds.lock().expect("lock").clone();
+    let instances: Vec<usize> = rounds.iter().map(|r| r.instance).collect();
+    assert!(
+        instances.contains(&0) && instances.contains(&2),
+        "every DFlash instance drafted: {instances:?}"
+    );
+    let reopened: Vec<&Round> = rounds.iter().filter(|r| r.instance == 2).collect();
+    let pairs = shared(&clean, &reopened);
+    let (same, compared) = (same_drafts(&pairs), pairs.len());
+    assert!(
+        compared >= 2 && same == compared,
+        "after the re-open {same} of {compared} rounds drafted as an undisturbed DFlash \
+         did:\n{reopened:?}\nclean: {clean:?}"
+    );
+}
+
+/// An SDK drafter whose `at`-th commit gets its taps torn: views into a shared-memory ring that
+/// the writer laps before the drafter reads them (the host outrunning a slow drafter).
+struct Tearing<D> {
+    inner: D,
+    at: usize,
+    commits: usize,
+}
+
+impl<D: Drafter> Drafter for Tearing<D> {
+    fn info(&self) -> DrafterInfo {
+        self.inner.info()
+    }
+    fn open(&mut self, session: SessionId, args: OpenArgs<'_>) {
+        self.inner.open(session, args);
+    }
+    fn draft(&mut self, session: SessionId, new_tokens: &[u32], n: usize) -> Proposal {
+        self.inner.draft(session, new_tokens, n)
+    }
+    fn draft_batch(&mut self, asks: &[DraftAsk<'_>]) -> Vec<Proposal> {
+        self.inner.draft_batch(asks)
+    }
+    fn commit(&mut self, session: SessionId, args: CommitArgs<'_>) {
+        self.commits += 1;
+        let Some(taps) = args.taps.as_ref().filter(|_| self.commits == self.at) else {
+            return self.inner.commit(session, args);
+        };
+        let data: Vec<Vec<f32>> = taps
+            .tensors()
+            .map(|t| t.to_f32().expect("in-process taps"))
+            .collect();
+        let bytes: usize = data.iter().map(|d| d.len() * 4).sum();
+        let mut w = ShmWriter::new(0, bytes).expect("ring");
+        let r = ShmReader::new(0, w.handle()).expect("reader");
+        let views: Vec<TensorView> = data
+            .iter()
+            .map(|d| w.write_f32(d, &[d.len() as u32]).expect("write"))
+            .collect();
+        let refs: Vec<TensorRef<'_>> = views.iter().map(|v| r.view(v).expect("view")).collect();
+        // The next lap overwrites every one of them while they are borrowed.
+        for d in &data {
+            w.write_f32(d, &[d.len() as u32]).expect("write");
+        }
+        assert!(
+            refs.iter().all(|t| t.check().is_err()),
+            "the views are torn"
+        );
+        let n_layers = taps.layers.len();
+        let mut refs = refs.into_iter();
+        let torn = Taps {
+            pos: taps.pos,
+            rows: taps.rows,
+            layers: refs.by_ref().take(n_layers).collect(),
+            final_hidden: taps.final_hidden.as_ref().and_then(|_| refs.next()),
+            kv: Vec::new(),
+        };
+        self.inner.commit(
+            session,
+            CommitArgs {
+                taps: Some(torn),
+                ..args
+            },
+        );
+    }
+    fn advance(&mut self, session: SessionId, args: AdvanceArgs<'_>) -> Advanced {
+        self.inner.advance(session, args)
+    }
+    fn close(&mut self, session: SessionId) {
+        self.inner.close(session);
+    }
+}
+
+/// Torn taps on one commit: the drafter leaves those rows out (never reads torn values), skips
+/// the next round (the host decodes it plainly), the output equals plain decoding, and a few
+/// rounds later it drafts as an undisturbed DFlash does again.
+#[test]
+fn torn_taps_are_dropped_and_drafting_recovers() {
+    let (loaded, prompt) = smollm2();
+    let plain = greedy(
+        &loaded,
+        &prompt,
+        &ProposerSlot::new(None),
+        FAULT_TOKENS,
+        &mut |_| {},
+    );
+    let run = |tear_at: usize| {
+        let rounds = Arc::new(Mutex::new(Vec::new()));
+        let proposer = shipped(&loaded, |d| Tearing {
+            inner: d,
+            at: tear_at,
+            commits: 0,
+        });
+        let slot = ProposerSlot::new(Some(Box::new(Recording::new(proposer, 0, &rounds))));
+        let out = greedy(&loaded, &prompt, &slot, FAULT_TOKENS, &mut |_| {});
+        let rounds = rounds.lock().expect("lock").clone();
+        (out, rounds)
+    };
+    let (out, clean) = run(0);
+    assert_eq!(out, plain);
+    let (out, torn) = run(3);
+    assert_eq!(out, plain, "torn taps changed the output");
+    // Rounds 0..3 are the clean run's; the torn commit ended round 2.
+    assert_eq!(torn[..3], clean[..3]);
+    let resumed = clean[2].pos + clean[2].accepted + 1;
+    assert!(
+        torn[3].pos > resumed,
+        "the round after the torn commit (at {resumed}) was skipped: {torn:?}"
+    );
+    // The hole (the torn window's rows) stays in the context, so later blocks differ in their
+    // tails; what they get accepted is what an undisturbed drafter gets.
+    let later: Vec<&Round> = torn[3..].iter().skip(2).collect();
+    let pairs = shared(&clean, &later);
+    let accepted = |pick: fn(&(&Round, &Round)) -> usize| pairs.iter().map(pick).sum::<usize>();
+    let (now, before) = (accepted(|p| p.1.accepted), accepted(|p| p.0.accepted));
+    let same = pairs
+        .iter()
+        .filter(|(c, r)| c.accepted == r.accepted)
+        .count();
+    assert!(
+        pairs.len() >= 4 && same * 4 >= pairs.len() * 3,
+        "after the fault {same} of {} rounds had the undisturbed acceptance ({now} vs {before} \
+         accepted):\n{torn:?}\nclean: {clean:?}",
+        pairs.len()
+    );
 }

@@ -61,6 +61,9 @@ pub struct Sample {
     /// Time spent waiting for drafts (drafter step latency, IPC included).
     #[serde(default)]
     pub draft_s: Option<f64>,
+    /// Bytes of hidden-state taps the host wrote for the drafter during the decode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tap_bytes: Option<usize>,
     /// The generated ids, to check that speculation did not change the output.
     pub token_ids: Vec<u32>,
 }

@@ -130,6 +130,7 @@ fn group_table(md: &mut String, g: &GroupResults) {
         }
         md.push('\n');
     }
+    drafting_table(md, g, &tags);
     // A configuration stopped before its first measured generation has its STOPPED line below.
     for c in skipped
         .into_iter()
@@ -168,6 +169,47 @@ fn group_table(md: &mut String, g: &GroupResults) {
     md.push('\n');
 }
 
+/// Per workload, what each Specula drafter did: speed against plain, tau without and with the
+/// bonus token, the wait for a draft and the taps the host wrote for it.
+fn drafting_table(md: &mut String, g: &GroupResults, tags: &[&str]) {
+    let drafting: Vec<_> = g
+        .configs
+        .iter()
+        .filter(|c| c.config.engine == Engine::Specula && c.config.speculates())
+        .filter(|c| !c.summary.is_empty())
+        .collect();
+    if drafting.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        md,
+        "Specula drafters per workload: tok/s (× plain), tau without / with the bonus token, draft \
+         ms per target forward, KB of taps written per target forward:\n"
+    );
+    md.push_str("| configuration | workload | tok/s | × plain | tau | tau+bonus | draft ms | tap KB/fwd |\n");
+    md.push_str("|---|---|---|---|---|---|---|---|\n");
+    for c in drafting {
+        for tag in tags.iter().chain([&ALL]) {
+            let Some(s) = c.summary.get(*tag) else {
+                continue;
+            };
+            let _ = writeln!(
+                md,
+                "| {} | {tag} | {:.1} | {} | {} | {} | {} | {} |",
+                c.config.name,
+                s.tok_s.median,
+                s.vs_first
+                    .map_or("–".into(), |x| format!("{:.2}", x.median)),
+                opt(s.tau, 2),
+                opt(s.tau_bonus, 2),
+                opt(s.draft_step_ms, 2),
+                opt(s.tap_bytes_per_round.map(|b| b / 1024.0), 1),
+            );
+        }
+    }
+    md.push('\n');
+}
+
 /// Which comparisons the closing note makes: plain with plain, prompt lookup with prompt
 /// lookup, draft model with draft model.
 fn class(d: Drafter) -> &'static str {
@@ -175,6 +217,8 @@ fn class(d: Drafter) -> &'static str {
         Drafter::None => "plain decoding",
         Drafter::Ngram | Drafter::PromptLookup => "prompt lookup",
         Drafter::TwoModel | Drafter::DraftModel => "draft-model speculation",
+        // No peer runs a drafter fed by the target's hidden states.
+        Drafter::Dflash | Drafter::Dspark | Drafter::Mtp => "learned drafters",
     }
 }
 

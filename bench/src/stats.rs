@@ -71,8 +71,14 @@ pub struct TagSummary {
     pub ttft_ms: Spread,
     /// Accepted / drafted.
     pub acceptance: Option<f64>,
-    /// Mean accepted drafts per drafting round (tau).
+    /// Mean accepted drafts per drafting round (tau, bonus token excluded).
     pub tau: Option<f64>,
+    /// Mean tokens committed per drafting round: tau plus the target's own (bonus) token.
+    #[serde(default)]
+    pub tau_bonus: Option<f64>,
+    /// Bytes of taps written for the drafter per target forward of the decode.
+    #[serde(default)]
+    pub tap_bytes_per_round: Option<f64>,
     /// Target forwards per generated token (1 for plain decoding).
     pub forwards_per_token: Option<f64>,
     /// Mean wait for a draft per round, ms (the drafter's step latency, IPC included).
@@ -147,6 +153,7 @@ pub fn summarize(
         let forwards = sum(|s| s.target_forwards);
         let tokens: usize = mine.iter().map(|r| r.sample.tokens).sum();
         let draft_s: Option<f64> = mine.iter().map(|r| r.sample.draft_s).sum();
+        let tap_bytes = sum(|s| s.tap_bytes);
         let calls = forwards.filter(|_| draft_s.is_some());
         out.insert(
             tag.to_string(),
@@ -161,6 +168,8 @@ pub fn summarize(
                 }),
                 acceptance: accepted.zip(drafted).and_then(|(a, d)| ratio(a, d)),
                 tau: accepted.zip(rounds).and_then(|(a, r)| ratio(a, r)),
+                tau_bonus: accepted.zip(rounds).and_then(|(a, r)| ratio(a + r, r)),
+                tap_bytes_per_round: tap_bytes.zip(forwards).and_then(|(b, f)| ratio(b, f)),
                 forwards_per_token: forwards.and_then(|f| ratio(f, tokens)),
                 draft_step_ms: draft_s
                     .zip(calls)
@@ -264,6 +273,7 @@ mod tests {
         a.sample.rounds = Some(3);
         a.sample.target_forwards = Some(4);
         a.sample.draft_s = Some(0.004);
+        a.sample.tap_bytes = Some(8 * 4608);
         let b = rec(0, 1, 8, 1.0, &[]);
         let items = [
             ItemInfo {
@@ -279,6 +289,9 @@ mod tests {
         let x = &s["x"];
         assert_eq!(x.acceptance, Some(0.75));
         assert_eq!(x.tau, Some(2.0));
+        assert_eq!(x.tau_bonus, Some(3.0));
+        assert_eq!(x.tap_bytes_per_round, Some(2.0 * 4608.0));
+        assert_eq!(s["y"].tap_bytes_per_round, None, "no drafter taps");
         assert_eq!(x.forwards_per_token, Some(0.5));
         assert_eq!(x.draft_step_ms, Some(1.0));
         assert_eq!(x.speedup, None, "no baseline record for tag x");

@@ -43,6 +43,12 @@ pub enum Drafter {
     Ngram,
     /// Specula's two-model drafter (needs `draft_model`).
     TwoModel,
+    /// Specula's DFlash drafter (`dflash --kind=dflash`, the weights shipped for the target).
+    Dflash,
+    /// Specula's DSpark drafter (`dflash --kind=dspark`).
+    Dspark,
+    /// Specula's MTP drafter (the `mtp` binary: the target's multi-token-prediction head).
+    Mtp,
     /// A peer's prompt-lookup decoding.
     PromptLookup,
     /// A peer's draft-model speculation (needs `draft_model`).
@@ -80,6 +86,9 @@ pub struct Config {
     /// The draft model (a `scripts/fetch-model` name or a path) for draft-model drafters.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub draft_model: Option<String>,
+    /// Extra arguments for a Specula drafter process (`--confidence-threshold=0.3`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub drafter_args: Vec<String>,
     /// Overrides every item's temperature.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f32>,
@@ -111,6 +120,9 @@ impl Config {
             Drafter::None => "plain",
             Drafter::Ngram => "ngram",
             Drafter::TwoModel => "two-model",
+            Drafter::Dflash => "dflash",
+            Drafter::Dspark => "dspark",
+            Drafter::Mtp => "mtp",
             Drafter::PromptLookup => "prompt lookup",
             Drafter::DraftModel => "draft model",
         };
@@ -128,7 +140,10 @@ impl Config {
         let ok = matches!(
             (self.engine, self.drafter),
             (_, D::None)
-                | (E::Specula, D::Ngram | D::TwoModel)
+                | (
+                    E::Specula,
+                    D::Ngram | D::TwoModel | D::Dflash | D::Dspark | D::Mtp
+                )
                 | (
                     E::LlamaCpp | E::Transformers,
                     D::PromptLookup | D::DraftModel
@@ -140,6 +155,11 @@ impl Config {
         }
         if self.placement == Placement::InProcess && self.drafter != D::Ngram {
             bail!("only the ngram drafter runs in process");
+        }
+        if !self.drafter_args.is_empty()
+            && (self.engine != E::Specula || self.placement != Placement::Process)
+        {
+            bail!("\"drafter_args\" are for a Specula drafter process");
         }
         let needs_model = matches!(self.drafter, D::TwoModel | D::DraftModel);
         if needs_model != self.draft_model.is_some() {
@@ -397,6 +417,18 @@ mod tests {
                 "at least 1",
             ),
             (r#"{"name":"a","engine":"mlx-lm","budget_s":0}"#, "budget_s"),
+            (
+                r#"{"name":"a","engine":"mlx-lm","drafter":"dflash","k":2}"#,
+                "no drafter",
+            ),
+            (
+                r#"{"name":"a","engine":"llama-cpp","drafter_args":["--x"]}"#,
+                "drafter process",
+            ),
+            (
+                r#"{"name":"a","engine":"specula","drafter":"dspark","k":4,"placement":"in-process"}"#,
+                "only the ngram",
+            ),
         ];
         for (json, want) in bad {
             let err = format!("{:#}", config(json).validate().unwrap_err());

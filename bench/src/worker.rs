@@ -49,6 +49,8 @@ struct Served {
     config: Config,
     slot: ProposerSlot,
     client: Observed,
+    /// Bytes of taps the host writes per committed position for this drafter.
+    tap_row_bytes: usize,
 }
 
 /// Runs the worker until its input ends.
@@ -79,10 +81,12 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
         };
         let reply = match proposer {
             Ok((slot, client)) => {
+                let tap_row_bytes = client.as_ref().map_or(0, |c| tap_row_bytes(c, &loaded));
                 served.push(Some(Served {
                     config: config.clone(),
                     slot,
                     client,
+                    tap_row_bytes,
                 }));
                 Reply::Ready(Ready {
                     engine: format!("specula {}", env!("CARGO_PKG_VERSION")),
@@ -120,7 +124,13 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
                     logprobs: None,
                 };
                 match run_item(&loaded, &s.slot, &gen) {
-                    Ok(s) => Reply::Sample(s),
+                    Ok(mut sample) => {
+                        // Every committed position's taps go to the drafter once (protocol
+                        // README): the decode's share is one row per generated token.
+                        sample.tap_bytes =
+                            (s.tap_row_bytes > 0).then_some(s.tap_row_bytes * sample.tokens);
+                        Reply::Sample(sample)
+                    }
                     Err(e) => Reply::Error(format!("{e:#}")),
                 }
             }
@@ -158,6 +168,17 @@ fn drafter_done(s: &Served) -> Done {
         deadline_misses: Some(stats.deadline_misses),
         ..Done::default()
     }
+}
+
+/// Bytes of one position's taps (f32, as the host writes them) for the drafter's capabilities:
+/// each tapped layer's and the final hidden row, and K and V rows of each K/V layer.
+fn tap_row_bytes(client: &Arc<Mutex<DrafterClient>>, loaded: &LoadedModel) -> usize {
+    let c = client.lock().unwrap_or_else(|e| e.into_inner());
+    let caps = c.capabilities();
+    let config = loaded.model.config();
+    let hidden = caps.tap_layers.len() + usize::from(caps.final_hidden);
+    let kv = 2 * caps.kv_layers.len() * config.kv_heads() * config.head_dim();
+    4 * (hidden * config.hidden_size + kv)
 }
 
 /// `target-host`'s own defaults for `--model PATH`: parsing (rather than building the struct)
@@ -226,6 +247,9 @@ fn proposer(
             let path = draft_model.context("two-model needs a draft model")?;
             DrafterSpec::new("two-model").with_args(["--model".to_string(), arg(path)])
         }
+        (Drafter::Dflash, _) => DrafterSpec::new("dflash").with_args(["--kind=dflash"]),
+        (Drafter::Dspark, _) => DrafterSpec::new("dflash").with_args(["--kind=dspark"]),
+        (Drafter::Mtp, _) => DrafterSpec::new("mtp"),
         (other, _) => anyhow::bail!("Specula has no drafter {other:?}"),
     };
     // A generous deadline: a slow draft must show up as drafter latency, not as lost drafts.
@@ -233,6 +257,7 @@ fn proposer(
         draft_deadline: Duration::from_secs(10),
         ..ClientConfig::default()
     };
+    let spec = spec.with_args(config.drafter_args.iter().cloned());
     let name = spec.path.display().to_string();
     let client = DrafterClient::start(
         spec,
@@ -278,6 +303,7 @@ fn run_item(loaded: &LoadedModel, slot: &ProposerSlot, req: &GenerationRequest) 
         rounds: speculating.then_some(s.rounds),
         target_forwards: Some(s.target_forwards),
         draft_s: speculating.then_some(s.draft_ms / 1e3),
+        tap_bytes: None,
         token_ids: gen.token_ids,
     })
 }

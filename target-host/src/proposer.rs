@@ -18,8 +18,9 @@
 //!   missed deadline, an empty draft): that id and the taps of the row that produced it.
 //!
 //! So every committed position's taps reach the proposer exactly once, in order. After a hot
-//! swap the engine opens every session again on the new proposer with the whole context (and
-//! its taps, when it kept them), and re-reads [`Proposer::wants`].
+//! swap, and after a proposer lost its sessions (a respawned drafter process: a new
+//! [`Proposer::incarnation`]), the engine opens every session again with the whole context and
+//! the taps of every position before the pending one, and re-reads [`Proposer::wants`].
 
 use std::time::Duration;
 
@@ -153,13 +154,22 @@ impl TapRows {
 
     /// The first `rows` rows.
     pub fn head(&self, rows: usize) -> TapRows {
-        let rows = rows.min(self.rows);
+        self.window(0, rows)
+    }
+
+    /// Rows `start..start + rows` of these (clamped to the rows there are).
+    pub fn window(&self, start: usize, rows: usize) -> TapRows {
+        let start = start.min(self.rows);
+        let rows = rows.min(self.rows - start);
         let cut = |v: &Vec<f32>| match self.rows {
             0 => Vec::new(),
-            n => v[..v.len() / n * rows].to_vec(),
+            n => {
+                let w = v.len() / n;
+                v[start * w..(start + rows) * w].to_vec()
+            }
         };
         TapRows {
-            pos: self.pos,
+            pos: self.pos + start,
             rows,
             layers: self.layers.iter().map(cut).collect(),
             final_hidden: self.final_hidden.as_ref().map(cut),
@@ -221,6 +231,11 @@ pub trait Proposer: Send {
     fn health(&self) -> Health {
         Health::Healthy
     }
+    /// Bumped whenever the proposer forgot its sessions (a drafter process that was respawned);
+    /// the engine then opens every session on it again, with its taps. Default: never.
+    fn incarnation(&self) -> u64 {
+        0
+    }
 }
 
 /// The proposer currently in use, swappable while requests run (hot-swap).
@@ -255,6 +270,14 @@ impl Current {
     /// Whether a proposer is installed.
     pub fn is_some(&self) -> bool {
         self.proposer.is_some()
+    }
+
+    /// Which proposer, and which life of it, a session is open on: the slot's epoch and the
+    /// proposer's [`Proposer::incarnation`]. Sessions opened under another identity are opened
+    /// again before their next draft.
+    pub fn identity(&self) -> (u64, u64) {
+        let life = self.proposer.as_ref().map_or(0, |p| p.incarnation());
+        (self.epoch, life)
     }
 }
 
@@ -346,6 +369,9 @@ impl<P: Proposer> Proposer for Shared<P> {
     fn health(&self) -> Health {
         self.lock().health()
     }
+    fn incarnation(&self) -> u64 {
+        self.lock().incarnation()
+    }
 }
 
 #[cfg(test)]
@@ -368,6 +394,8 @@ mod tests {
         a.extend(&rows(2, 3));
         assert_eq!(a, rows(0, 5));
         assert_eq!(a.head(1), rows(0, 1));
+        assert_eq!(a.window(2, 2), rows(2, 2));
+        assert_eq!(a.window(4, 9), rows(4, 1), "clamped to the rows there are");
         assert_eq!(a.bytes(), 10 * 4);
         let mut empty = TapRows::default();
         empty.extend(&rows(4, 1));

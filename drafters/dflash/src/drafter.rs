@@ -31,6 +31,9 @@ fn err(e: impl std::fmt::Display) -> Error {
     Error::Forward(e.to_string())
 }
 
+/// Mixed into the request seed for the drafter's own sampling stream.
+const DRAFT_SEED_SALT: u64 = 0xdf1a_5eed_0d5e_ed00;
+
 /// Where one reference tap id comes from in Specula's taps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Source {
@@ -50,6 +53,8 @@ pub struct Options {
     pub block_size: Option<usize>,
     /// DSpark: cut the block at the first slot whose confidence is below this (0: never).
     pub confidence_threshold: f32,
+    /// Requantize the drafter's own projections to Q8_0 (`--linear-dtype q8_0`).
+    pub q8_linears: bool,
 }
 
 impl Default for Options {
@@ -57,6 +62,7 @@ impl Default for Options {
         Options {
             block_size: None,
             confidence_threshold: 0.0,
+            q8_linears: false,
         }
     }
 }
@@ -94,6 +100,9 @@ struct Session {
     rng: StdRng,
     /// Positions whose taps never came (torn, missing): the context has holes there.
     missing: usize,
+    /// Taps of the last window were torn or missing: the rows nearest the anchor are holes, so
+    /// the next round drafts nothing (the host runs a plain step) while the context resyncs.
+    resync: bool,
 }
 
 /// One block's drafts, before the SDK caps them.
@@ -153,7 +162,8 @@ impl DFlash {
         let dir = self.source.resolve(target)?;
         let config = DraftConfig::from_file(&dir.join("config.json"))?;
         check_target(&config, target)?;
-        let tensors = Tensors::read(&dir.join("model.safetensors"), &self.device)?;
+        let tensors = Tensors::read(&dir.join("model.safetensors"), &self.device)?
+            .with_q8(self.options.q8_linears);
         let parts = TargetParts::open(target.weights_path.as_ref(), &self.device)
             .map_err(|e| Error::Target(format!("cannot read the target's weights: {e}")))?;
         let block = block_size(&config, &self.options)?;
@@ -223,7 +233,7 @@ impl DFlash {
             let Some(s) = self.sessions.get(&ask.session) else {
                 continue;
             };
-            if ask.n == 0 || s.pos + m.block > m.max_pos {
+            if ask.n == 0 || s.pos + m.block > m.max_pos || s.context.rows() == 0 || s.resync {
                 continue;
             }
             let anchor = m.io.embedding.forward(&[s.anchor]).map_err(err)?;
@@ -239,6 +249,12 @@ impl DFlash {
         }
         let hidden = m.backbone.forward(&inputs)?;
         drop(inputs);
+        for ask in asks {
+            if let Some(s) = self.sessions.get_mut(&ask.session) {
+                // One skipped round per hole: later windows land on a context that has them.
+                s.resync = false;
+            }
+        }
         let mut out: Vec<Option<Block>> = asks.iter().map(|_| None).collect();
         for (h, i) in hidden.into_iter().zip(which) {
             let ask = &asks[i];
@@ -246,7 +262,9 @@ impl DFlash {
                 .sessions
                 .get_mut(&ask.session)
                 .expect("invariant: asked sessions are open");
-            out[i] = Some(m.block(&h, s, ask.n)?);
+            let block = m.block(&h, s, ask.n)?;
+            debug!(session = ask.session, pos = s.pos, tokens = ?block.tokens, "draft");
+            out[i] = Some(block);
         }
         Ok(out)
     }
@@ -280,8 +298,12 @@ impl DFlash {
                 .map_err(|e| e.to_string())
         });
         if let Err(reason) = result {
-            debug!(session, rows, pos, reason, "context rows missing");
+            warn!(
+                session,
+                rows, pos, reason, "taps unusable: context rows left out, next round skipped"
+            );
             s.missing += rows;
+            s.resync = true;
         }
     }
 
@@ -422,7 +444,9 @@ fn io_parts(config: &DraftConfig, tensors: &Tensors, parts: TargetParts) -> Resu
 impl Drafter for DFlash {
     fn info(&self) -> DrafterInfo {
         let version = env!("CARGO_PKG_VERSION");
-        match &self.early_caps {
+        // Loaded (an in-process host calls `load` itself): the target's real capabilities.
+        let known = self.capabilities_for_target().or(self.early_caps.as_ref());
+        match known {
             Some(caps) => DrafterInfo::new("dflash", version, caps.clone()),
             // Placeholder until the weights for the target are found.
             None => DrafterInfo::new("dflash", version, Capabilities::tokens_only(1))
@@ -451,7 +475,9 @@ impl Drafter for DFlash {
         let Some(&anchor) = args.prompt.last() else {
             return;
         };
-        let seed = args.sampling.seed.unwrap_or(session);
+        // The host's sampler is seeded with the same request seed: a stream of our own keeps
+        // the drafts independent of the uniforms that accept or reject them.
+        let seed = args.sampling.seed.unwrap_or(session) ^ DRAFT_SEED_SALT;
         let s = Session {
             context: Context::default(),
             anchor,
@@ -459,10 +485,14 @@ impl Drafter for DFlash {
             sampling: args.sampling.clone(),
             rng: StdRng::seed_from_u64(seed),
             missing: 0,
+            resync: false,
         };
         self.sessions.insert(session, s);
         let rows = &args.prompt[..args.prompt.len() - 1];
         self.take_taps(session, args.taps.as_ref(), rows, 0);
+        if let Some((rows, missing)) = self.context_rows(session) {
+            debug!(session, pos = args.prompt.len() - 1, rows, missing, "open");
+        }
     }
 
     fn draft(&mut self, session: SessionId, new_tokens: &[u32], n: usize) -> Proposal {
@@ -496,7 +526,19 @@ impl Drafter for DFlash {
     }
 
     fn commit(&mut self, session: SessionId, args: CommitArgs<'_>) {
+        let pos = self.sessions.get(&session).map(|s| s.pos);
         self.accept(session, args.ids, args.taps.as_ref());
+        if let (Some(pos), Some((rows, missing))) = (pos, self.context_rows(session)) {
+            debug!(
+                session,
+                pos,
+                drafted = args.drafted,
+                accepted = args.accepted,
+                rows,
+                missing,
+                "commit"
+            );
+        }
     }
 
     fn advance(&mut self, session: SessionId, args: AdvanceArgs<'_>) -> Advanced {
@@ -566,7 +608,11 @@ impl Loaded {
             Kind::DSpark => {
                 // Slot k (row k, the anchor's included) predicts the token at anchor + k + 1.
                 let rows = h.narrow(0, 0, n).map_err(err)?;
-                let base = |k: usize| self.draft_logits(&rows.narrow(0, k, 1).map_err(err)?);
+                // One multi-row lm_head for every slot (bit-identical to row by row, and about
+                // the cost of one row: the 49k-row head is read once), even though a
+                // confidence cut may leave the last rows unused.
+                let all = self.draft_logits(&rows)?;
+                let base = |k: usize| all.narrow(0, k, 1).map_err(err);
                 let heads = self
                     .heads
                     .as_ref()

@@ -102,11 +102,11 @@ impl Heads {
     }
 
     /// Runs the heads over the block, slot by slot: `h` `[B, hidden]` normed hiddens, `base(k)`
-    /// the `[1, vocab]` logits of slot `k` (computed only for slots that are drafted), `anchor`
+    /// the `[1, vocab]` logits of slot `k` (asked for only for slots that are drafted), `anchor`
     /// the token before slot 0; `pick` chooses each slot's id from its corrected logits row
     /// (argmax, or a sample), so the chain follows the drafts. With `cut_below > 0` and a
     /// confidence head, drafting stops before the first slot whose confidence is below it
-    /// (DeepSpec `_confident_prefix_length`), so its lm_head row is never computed.
+    /// (DeepSpec `_confident_prefix_length`), so its logits are never used.
     ///
     /// # Errors
     /// [`Error::Forward`] on a shape mismatch.

@@ -31,6 +31,10 @@ struct Args {
     /// DSpark: cut each block at the first draft whose confidence is below this (0: never).
     #[arg(long, default_value_t = 0.0)]
     confidence_threshold: f32,
+    /// The drafter's own projections: `f32` (exact, the references' numerics) or `q8_0`
+    /// (requantized at load: fewer bytes per step; drafts may differ, output never does).
+    #[arg(long, default_value = "f32")]
+    linear_dtype: String,
 }
 
 fn main() -> ExitCode {
@@ -50,6 +54,14 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(2);
     }
+    let q8_linears = match args.linear_dtype.as_str() {
+        "f32" => false,
+        "q8_0" => true,
+        other => {
+            eprintln!("--linear-dtype must be f32 or q8_0, got {other:?}");
+            return ExitCode::from(2);
+        }
+    };
     let source = match args.weights {
         Some(dir) => WeightsSource::Path(dir),
         None => WeightsSource::Shipped {
@@ -60,6 +72,7 @@ fn main() -> ExitCode {
     let options = Options {
         block_size: args.block_size,
         confidence_threshold: args.confidence_threshold,
+        q8_linears,
     };
     match DFlash::new(source, options) {
         Ok(drafter) => specula_protocol::sdk::serve(drafter),

@@ -103,8 +103,8 @@ fn run_at(name: &str, threshold: Option<f32>) {
     let fixture = case.meta["threshold"].as_f64().unwrap_or(0.0) as f32;
     let threshold = threshold.unwrap_or(fixture);
     let options = Options {
-        block_size: None,
         confidence_threshold: threshold,
+        ..Options::default()
     };
     let mut d = DFlash::new(WeightsSource::Path(fixtures().join(name)), options).unwrap();
     let target = target();
@@ -283,4 +283,50 @@ fn a_batched_draft_equals_each_session_alone() {
             "{name}: the contexts differ"
         );
     }
+}
+
+/// With its projections requantized to Q8_0 the drafter is no longer exact, but stays close to
+/// the reference: the first round's logits within a few percent of their range.
+#[test]
+fn q8_linears_stay_close_to_the_reference() {
+    let name = "dflash";
+    let case = Case::load(name);
+    let options = Options {
+        q8_linears: true,
+        ..Options::default()
+    };
+    let mut d = DFlash::new(WeightsSource::Path(fixtures().join(name)), options).unwrap();
+    d.accept_target(&target()).unwrap();
+    let rounds = case.meta["rounds"].as_array().unwrap();
+    let mut prompt = ids(&case.meta["prompt"]);
+    prompt.push(rounds[0]["anchor"].as_u64().unwrap() as u32);
+    let open_taps = case.taps("open");
+    let sampling = SamplingSpec::greedy();
+    let taps = Taps::from_f32(0, case.rows("open"), &open_taps, None, &[]);
+    let args = OpenArgs {
+        prompt: &prompt,
+        sampling: &sampling,
+        taps: Some(taps),
+    };
+    d.open(1, args);
+    let ask = DraftAsk {
+        session: 1,
+        new_tokens: &[],
+        n: 16,
+    };
+    let block = d.blocks(&[ask]).unwrap().pop().unwrap().expect("a block");
+    let want = &case.tensors["round0.logits"];
+    let range = want
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let diff = max_diff(&block.logits, want);
+    assert!(diff > 0.0, "requantized weights give other numbers");
+    assert!(
+        diff < 0.05 * range,
+        "q8: logits differ by {diff} (range {range})"
+    );
 }

@@ -6,8 +6,17 @@
 //! when it misses it; a reply that comes later carries a stale sequence number and is dropped.
 //! Misses lower the drafter's budget ([`Pace`]): fewer drafts, then none but a probe that
 //! nobody waits for, until it answers in time again; meanwhile [`Proposer::health`] says
-//! degraded. The client mirrors every session's context, so a respawned drafter gets its
-//! sessions re-opened with their full context.
+//! degraded.
+//!
+//! **Respawn.** A respawned drafter knows no session. The client forgets them too and bumps
+//! its [`Proposer::incarnation`]; the engine, which holds every session's context and taps,
+//! opens them again before their next draft (one owner of what a drafter is told).
+//!
+//! **Large tap windows.** An `Open` whose taps do not fit half the shared ring is split: an
+//! `Open` with the first rows, then `Advance`s with the rest, each written only after a ping
+//! (`Draft { rows: [] }`, answered in order) shows the drafter has read the one before, so no
+//! window overwrites another that is still unread. Drafts are capped so that a `Commit`'s
+//! `accepted + 1` rows always fit.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -31,11 +40,9 @@ use crate::proposer::{Draft, DraftBatch, Health, Proposer, SessionId, TapRows, V
 /// The version that brought `Advance`.
 const ADVANCE: Version = Version { major: 1, minor: 1 };
 
-/// What the client remembers of a session, to re-open it on a fresh drafter.
+/// What the client tracks of an open session.
 #[derive(Debug)]
 struct Mirror {
-    context: Vec<u32>,
-    sampling: SamplingSpec,
     step: u64,
     /// Ids committed without drafts that the drafter has not heard of yet (sent as the next
     /// row's `new_tokens`).
@@ -83,8 +90,7 @@ impl DrafterClient {
             .connection()
             .expect("invariant: a started supervisor is ready");
         let (name, caps) = (conn.hello.name.clone(), conn.hello.capabilities.clone());
-        let caps_max = caps.max_draft_len;
-        Ok(DrafterClient {
+        let mut client = DrafterClient {
             sup,
             target,
             config,
@@ -93,8 +99,10 @@ impl DrafterClient {
             sessions: HashMap::new(),
             stats: DrafterStats::default(),
             bad_in_row: 0,
-            pace: Pace::new(caps_max as usize),
-        })
+            pace: Pace::new(0),
+        };
+        client.pace = Pace::new(client.max_draft());
+        Ok(client)
     }
 
     /// Where the drafter is in its lifecycle.
@@ -121,32 +129,112 @@ impl DrafterClient {
     }
 
     /// Moves a pending respawn along (also done by every `Proposer` call); returns the state.
+    /// A fresh drafter knows no session: they are forgotten here and the engine, seeing a new
+    /// [`Proposer::incarnation`], opens them again with their context and taps.
     pub fn poll(&mut self) -> DrafterState {
         if self.sup.poll() {
-            self.reopen_all();
+            self.sessions.clear();
+            self.pace = Pace::new(self.max_draft());
         }
         self.sup.state()
     }
 
-    fn reopen_all(&mut self) {
-        let Some(conn) = self.sup.connection() else {
-            return;
-        };
-        // Taps of the old prompt are gone; the drafter gets ids only and catches up from there.
-        self.pace = Pace::new(self.caps.max_draft_len as usize);
-        let result = self.sessions.iter_mut().try_for_each(|(&session, m)| {
-            m.unheard.clear();
-            let open = Open {
-                session,
-                prompt_ids: m.context.clone(),
-                sampling: m.sampling.clone(),
-                prompt_taps: None,
-            };
-            conn.send(Request::Open(open)).map(drop)
-        });
-        if let Err(e) = result {
-            self.sup.restart(&e.to_string());
+    /// Bytes of one position's taps (every tap layer, the final hidden, K and V per KV layer).
+    fn tap_row_bytes(&self) -> usize {
+        let hidden = self.target.hidden_size as usize;
+        let kv = (self.target.num_kv_heads * self.target.head_dim) as usize;
+        let floats = hidden * (self.caps.tap_layers.len() + usize::from(self.caps.final_hidden))
+            + 2 * kv * self.caps.kv_layers.len();
+        floats * std::mem::size_of::<f32>()
+    }
+
+    /// The most tap rows one message may carry: half the ring (so that the window before it,
+    /// possibly unread, is never overwritten), less each tensor's alignment.
+    fn rows_per_message(&self) -> usize {
+        let tensors = self.caps.tap_layers.len()
+            + usize::from(self.caps.final_hidden)
+            + 2 * self.caps.kv_layers.len();
+        let room = (self.config.region_bytes / 2).saturating_sub(tensors * SHM_ALIGN);
+        room / self.tap_row_bytes().max(1)
+    }
+
+    /// The most drafts per row: the drafter's own limit, and what a `Commit`'s taps can carry.
+    fn max_draft(&self) -> usize {
+        let max = self.caps.max_draft_len as usize;
+        match self.caps.wants_activations() {
+            true => max.min(self.rows_per_message().saturating_sub(1)),
+            false => max,
         }
+    }
+
+    /// Sends an `Open` with `taps`, split into `Open` + `Advance`s when they do not fit one
+    /// message (see the module docs).
+    fn open_split(
+        &mut self,
+        session: SessionId,
+        context: &[u32],
+        sampling: SamplingSpec,
+        taps: &TapRows,
+    ) {
+        let per = self.rows_per_message().max(1);
+        let first = taps.rows.min(per);
+        let head = taps.head(first);
+        self.send(|conn, target| {
+            let region = conn.region.as_mut().expect("invariant: taps need a region");
+            Request::Open(Open {
+                session,
+                prompt_ids: context[..=first].to_vec(),
+                sampling,
+                prompt_taps: write_taps(region, &head, target),
+            })
+        });
+        let mut at = first;
+        while at < taps.rows {
+            if !self.barrier() {
+                return;
+            }
+            let rows = (taps.rows - at).min(per);
+            let window = taps.window(at, rows);
+            let ids = context[at + 1..=at + rows].to_vec();
+            self.send(|conn, target| {
+                let region = conn.region.as_mut().expect("invariant: taps need a region");
+                Request::Advance(Advance {
+                    session,
+                    ids,
+                    taps: write_taps(region, &window, target),
+                })
+            });
+            at += rows;
+        }
+        if first < taps.rows {
+            self.stats.split_opens += 1;
+        }
+    }
+
+    /// Pings the drafter and waits for the answer, which comes after it handled every earlier
+    /// message (and read their taps). A drafter that does not answer within the handshake
+    /// timeout is restarted. Returns whether it answered.
+    pub fn barrier(&mut self) -> bool {
+        let seq = match self.sup.connection() {
+            Some(conn) => conn.send(Request::Draft(DraftRequest { rows: Vec::new() })),
+            None => return false,
+        };
+        let seq = match seq {
+            Ok(seq) => seq,
+            Err(e) => {
+                self.sup.restart(&e.to_string());
+                return false;
+            }
+        };
+        let until = Instant::now() + self.config.handshake_timeout;
+        if self.recv(seq, until).is_some() {
+            return true;
+        }
+        if self.sup.connection().is_some() {
+            self.sup
+                .restart("the drafter did not read its taps within the handshake timeout");
+        }
+        false
     }
 
     /// Sends a one-way request; a failure means the drafter is gone.
@@ -182,14 +270,13 @@ impl DrafterClient {
     }
 }
 
-/// Writes a window of activations into the region; `None` (logged and counted in
-/// `undelivered`) when it does not fit.
-fn write_taps(
-    region: &mut ShmWriter,
-    taps: &TapRows,
-    target: &TargetInfo,
-    undelivered: &mut u64,
-) -> Option<TapViews> {
+/// Alignment of every tensor in the shared ring (`specula_protocol::shm`).
+const SHM_ALIGN: usize = 64;
+
+/// Writes a window of activations into the region. The client sizes every window to fit
+/// ([`DrafterClient::rows_per_message`]); a write that fails anyway is logged, and the
+/// drafter then sees a message without taps (a hole it recovers from at the next `Open`).
+fn write_taps(region: &mut ShmWriter, taps: &TapRows, target: &TargetInfo) -> Option<TapViews> {
     let rows = u32::try_from(taps.rows).ok().filter(|&r| r > 0)?;
     let mut write = |data: &[f32], inner: &[u32]| {
         let want: usize = inner.iter().map(|&d| d as usize).product::<usize>() * rows as usize;
@@ -228,10 +315,7 @@ fn write_taps(
         })
     })();
     views
-        .map_err(|e| {
-            *undelivered += 1;
-            warn!(error = %e, bytes = taps.bytes(), "taps not delivered");
-        })
+        .map_err(|e| warn!(error = %e, bytes = taps.bytes(), "taps not delivered"))
         .ok()
 }
 
@@ -254,26 +338,39 @@ impl Proposer for DrafterClient {
         self.poll();
         let sampling = sampling_spec(sampling);
         let mirror = Mirror {
-            context: context.to_vec(),
-            sampling: sampling.clone(),
             step: 0,
             unheard: Vec::new(),
         };
         self.sessions.insert(session, mirror);
-        let mut undelivered = 0;
-        self.send(|conn, target| {
-            let prompt_taps = match (&mut conn.region, taps) {
-                (Some(region), Some(taps)) => write_taps(region, taps, target, &mut undelivered),
-                _ => None,
-            };
-            Request::Open(Open {
-                session,
-                prompt_ids: context.to_vec(),
-                sampling,
-                prompt_taps,
-            })
-        });
-        self.stats.taps_undelivered += undelivered;
+        let region = self.sup.connection().is_some_and(|c| c.region.is_some());
+        let speaks_advance = self
+            .sup
+            .connection()
+            .is_some_and(|c| c.tx.version() >= ADVANCE);
+        match taps.filter(|t| t.rows > 0 && region) {
+            // Taps of the context before the pending id: `context[..=rows]` ends at it.
+            Some(taps) if taps.rows + 1 == context.len() && speaks_advance => {
+                self.open_split(session, context, sampling, taps)
+            }
+            taps => {
+                if taps.is_some_and(|t| t.rows > self.rows_per_message()) {
+                    // A 1.0 peer has no `Advance` to carry the rest (catch-up rule 2).
+                    self.stats.taps_undelivered += 1;
+                }
+                self.send(|conn, target| {
+                    let prompt_taps = match (&mut conn.region, taps) {
+                        (Some(region), Some(taps)) => write_taps(region, taps, target),
+                        _ => None,
+                    };
+                    Request::Open(Open {
+                        session,
+                        prompt_ids: context.to_vec(),
+                        sampling,
+                        prompt_taps,
+                    })
+                })
+            }
+        }
     }
 
     fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
@@ -289,7 +386,7 @@ impl Proposer for DrafterClient {
             // A probe is out: wait for it (never for longer than now) before asking again.
             return empty;
         }
-        let max = self.caps.max_draft_len as usize;
+        let max = self.max_draft();
         let mut rows = Vec::with_capacity(batch.asks.len());
         let mut asked = Vec::with_capacity(batch.asks.len());
         for ask in batch.asks {
@@ -389,15 +486,13 @@ impl Proposer for DrafterClient {
     }
 
     fn commit(&mut self, session: SessionId, verdict: &Verdict<'_>) {
-        let Some(mirror) = self.sessions.get_mut(&session) else {
+        if !self.sessions.contains_key(&session) {
             return;
-        };
-        mirror.context.extend_from_slice(verdict.committed);
+        }
         self.stats.accepted += verdict.accepted as u64;
-        let mut undelivered = 0;
         self.send(|conn, target| {
             let taps = match (&mut conn.region, verdict.taps) {
-                (Some(region), Some(taps)) => write_taps(region, taps, target, &mut undelivered),
+                (Some(region), Some(taps)) => write_taps(region, taps, target),
                 _ => None,
             };
             Request::Commit(Commit {
@@ -408,14 +503,12 @@ impl Proposer for DrafterClient {
                 taps,
             })
         });
-        self.stats.taps_undelivered += undelivered;
     }
 
     fn advance(&mut self, session: SessionId, ids: &[u32], taps: Option<&TapRows>) {
         let Some(mirror) = self.sessions.get_mut(&session) else {
             return;
         };
-        mirror.context.extend_from_slice(ids);
         let speaks_advance = self
             .sup
             .connection()
@@ -429,10 +522,9 @@ impl Proposer for DrafterClient {
             }
             return;
         }
-        let mut undelivered = 0;
         self.send(|conn, target| {
             let taps = match (&mut conn.region, taps) {
-                (Some(region), Some(taps)) => write_taps(region, taps, target, &mut undelivered),
+                (Some(region), Some(taps)) => write_taps(region, taps, target),
                 _ => None,
             };
             Request::Advance(Advance {
@@ -441,7 +533,6 @@ impl Proposer for DrafterClient {
                 taps,
             })
         });
-        self.stats.taps_undelivered += undelivered;
     }
 
     fn close(&mut self, session: SessionId) {
@@ -451,10 +542,14 @@ impl Proposer for DrafterClient {
     }
 
     fn health(&self) -> Health {
-        match self.sup.state() == DrafterState::Ready && !self.pace.degraded(&self.caps) {
+        match self.sup.state() == DrafterState::Ready && !self.pace.degraded(self.max_draft()) {
             true => Health::Healthy,
             false => Health::Degraded,
         }
+    }
+
+    fn incarnation(&self) -> u64 {
+        self.sup.restarts()
     }
 }
 
@@ -575,7 +670,7 @@ impl Pace {
         self.budget = (self.budget * 2).clamp(1, max.max(1));
     }
 
-    fn degraded(&self, caps: &Capabilities) -> bool {
-        self.budget < caps.max_draft_len as usize
+    fn degraded(&self, max: usize) -> bool {
+        self.budget < max
     }
 }

@@ -171,9 +171,11 @@ pub struct DrafterStats {
     pub deadline_misses: u64,
     /// Late replies dropped because their sequence number was stale.
     pub late_replies: u64,
-    /// Tap windows that could not be delivered (too large for the shared region, or a round
-    /// without drafts to a peer that has no message for its taps).
+    /// Tap windows a protocol 1.0 peer has no message for (a round without drafts, or an
+    /// `Open` too large for one message: only ≥ 1.1 peers get `Advance`).
     pub taps_undelivered: u64,
+    /// `Open`s whose taps were split into `Open` + `Advance`s to fit the shared region.
+    pub split_opens: u64,
     /// Times the drafter process was (re)started after the first start.
     pub restarts: u64,
     /// Recent Draft → Drafted round trips, in microseconds, oldest first.

@@ -1,12 +1,15 @@
 //! What the drafter is told and given, per session: the engine's one record of it.
 //!
-//! - **Epochs**: the slot's epoch is read at every step; after a hot swap the new proposer's
-//!   [`Wants`] are read again (its taps are the ones collected from then on) and every session
-//!   is opened again on it, with the whole context so far, before its next draft.
+//! - **Identity**: the slot's identity (its epoch and the proposer's incarnation,
+//!   [`Current::identity`]) is read at every step; after a hot swap or a respawn of the drafter
+//!   process the proposer's [`Wants`] are read again (its taps are the ones collected from then
+//!   on) and every session is opened again on it, with the whole context so far and its taps,
+//!   before its next draft. The drafter client forgets its sessions on a respawn: the engine
+//!   is the one that re-opens them, since only it holds their taps.
 //! - **Re-sync taps**: while a session speculates, the engine keeps the taps of its whole
-//!   context (bounded by [`TAP_BUDGET_BYTES`] per session) so a re-`Open` after a swap carries
-//!   them; when they were not kept (over budget, or collected for another drafter's wants) the
-//!   step re-forwards the context on a scratch sequence to make them ([`Resync`]).
+//!   context (bounded by [`TAP_BUDGET_BYTES`] per session) so a re-`Open` carries them; when
+//!   they were not kept (over budget, or collected for another drafter's wants) the step
+//!   re-forwards the context on a scratch sequence to make them ([`Resync`]).
 //! - **Exactly once, in order**: `open` covers positions `0..len-1`; every later step sends
 //!   each committed position once, by `commit` (a drafted round) or `advance` (a round without
 //!   drafts).
@@ -35,8 +38,8 @@ pub const TAP_BUDGET_BYTES: usize = 32 << 20;
 #[derive(Debug)]
 struct Book {
     sampling: SamplingParams,
-    /// Epoch of the proposer the session is open on (`None`: never opened).
-    epoch: Option<u64>,
+    /// Identity of the proposer the session is open on (`None`: never opened).
+    opened_on: Option<(u64, u64)>,
     /// Taps of the context so far, when kept (their `wants` are the current ones).
     kept: Option<TapRows>,
 }
@@ -52,7 +55,7 @@ pub struct Resync {
 /// Counters of what the drafters were told.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DraftingCounters {
-    /// Sessions (re)opened after a hot swap.
+    /// Sessions (re)opened after a hot swap or a respawn.
     pub reopened: u64,
     /// Contexts re-forwarded to rebuild their taps.
     pub reforwards: u64,
@@ -63,7 +66,7 @@ pub struct DraftingCounters {
 /// The per-session drafter records and the proposer's wants.
 #[derive(Debug, Default)]
 pub struct Drafting {
-    epoch: Option<u64>,
+    identity: Option<(u64, u64)>,
     wants: Wants,
     books: HashMap<SessionId, Book>,
     /// Counters.
@@ -71,12 +74,15 @@ pub struct Drafting {
 }
 
 impl Drafting {
-    /// Reads the slot's epoch; after a change (a swap) re-reads the wants and returns `true`.
+    /// Reads the slot's identity; after a change (a swap or a respawn) re-reads the wants.
+    /// Returns whether the proposer was swapped (not only respawned).
     pub fn refresh(&mut self, cur: &mut Current) -> bool {
-        if self.epoch == Some(cur.epoch()) {
+        let identity = cur.identity();
+        if self.identity == Some(identity) {
             return false;
         }
-        self.epoch = Some(cur.epoch());
+        let swapped = self.identity.is_none_or(|(epoch, _)| epoch != identity.0);
+        self.identity = Some(identity);
         let wants = cur.proposer().map(|p| p.wants()).unwrap_or_default();
         if wants != self.wants {
             // Kept taps were collected for the old drafter's layers.
@@ -85,7 +91,7 @@ impl Drafting {
             }
         }
         self.wants = wants;
-        true
+        swapped
     }
 
     /// What the current proposer wants tapped.
@@ -110,12 +116,13 @@ impl Drafting {
     ) {
         let mut book = Book {
             sampling: sampling.clone(),
-            epoch: None,
+            opened_on: None,
             kept: None,
         };
         if let Some(p) = cur.proposer() {
             p.open(session, context, sampling, taps.as_ref());
-            book.epoch = Some(cur.epoch());
+            // Read after the call: a respawn it completed is the life the session is open on.
+            book.opened_on = Some(cur.identity());
         }
         book.kept = self.keep(taps);
         self.books.insert(session, book);
@@ -140,7 +147,7 @@ impl Drafting {
             .iter()
             .filter_map(|&s| {
                 let book = self.books.get(&s)?;
-                (book.epoch != Some(cur.epoch()) && book.kept.is_none())
+                (book.opened_on != Some(cur.identity()) && book.kept.is_none())
                     .then_some(Resync { session: s })
             })
             .collect()
@@ -165,26 +172,31 @@ impl Drafting {
         vocab: usize,
         context: impl Fn(SessionId) -> &'c [u32],
     ) -> Vec<Draft> {
-        let epoch = cur.epoch();
-        let Some(p) = cur.proposer() else {
+        if !cur.is_some() {
             return vec![Draft::default(); asks.len()];
-        };
+        }
         for ask in asks {
             let Some(book) = self.books.get_mut(&ask.session) else {
                 continue;
             };
-            if book.epoch != Some(epoch) {
-                // A new drafter: it learns the whole context, with its taps when kept.
+            if book.opened_on != Some(cur.identity()) {
+                // A new drafter, or a new life of it: it learns the whole context, with the
+                // taps of every position but the pending one.
                 let ctx = context(ask.session);
                 let taps = book.kept.as_ref().filter(|t| t.rows + 1 == ctx.len());
                 if taps.is_none() && !self.wants.is_empty() {
                     warn!(session = ask.session, "re-opened without taps");
                 }
-                p.open(ask.session, ctx, &book.sampling, taps);
-                book.epoch = Some(epoch);
+                if let Some(p) = cur.proposer() {
+                    p.open(ask.session, ctx, &book.sampling, taps);
+                }
+                book.opened_on = Some(cur.identity());
                 self.counters.reopened += 1;
             }
         }
+        let Some(p) = cur.proposer() else {
+            return vec![Draft::default(); asks.len()];
+        };
         let drafts = p.draft(&DraftBatch { asks, deadline });
         if drafts.len() != asks.len() {
             warn!(
@@ -230,7 +242,7 @@ impl Drafting {
     fn is_open(&self, cur: &Current, session: SessionId) -> bool {
         self.books
             .get(&session)
-            .is_some_and(|b| b.epoch == Some(cur.epoch()))
+            .is_some_and(|b| b.opened_on == Some(cur.identity()))
     }
 
     fn extend(&mut self, session: SessionId, taps: Option<&TapRows>) {

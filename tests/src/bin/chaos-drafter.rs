@@ -13,7 +13,11 @@
 //! - `refuse-target`: says Goodbye after Welcome;
 //! - `taps-check`: asks for layer taps, the final hidden and KV rows, and appends to `--out` one
 //!   line per Open/Commit/Advance: `open|commit|advance SESSION ROWS CHECKSUM` (FNV-1a over the
-//!   f32 bits of every tensor, in message order) or `open|commit|advance SESSION torn`;
+//!   f32 bits of every tensor, in message order) or `open|commit|advance SESSION torn`; with
+//!   `--rows` each line goes on with ` POS C0,C1,…` (the first row's position and a checksum per
+//!   row), and a message without taps is logged as `open|commit|advance SESSION 0 none`;
+//!   `--crash-once FILE` exits (status 1) on the draft request after `--after` good ones when
+//!   FILE does not exist yet, creating it first, so the respawned process runs on;
 //! - `late-caps`: like `taps-check`, but its Hello asks for nothing and sets
 //!   `late_capabilities`; after Welcome it asks for the target's last layer and the final hidden;
 //! - `late-caps-bad`: states late capabilities asking for layer `num_layers` (out of range);
@@ -35,6 +39,8 @@ struct Args {
     out: Option<String>,
     after: u64,
     sleep_ms: u64,
+    rows: bool,
+    crash_once: Option<String>,
 }
 
 fn parse() -> Result<Args> {
@@ -43,15 +49,22 @@ fn parse() -> Result<Args> {
         out: None,
         after: 0,
         sleep_ms: 500,
+        rows: false,
+        crash_once: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
+        if flag == "--rows" {
+            args.rows = true;
+            continue;
+        }
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--mode" => args.mode = value,
             "--out" => args.out = Some(value),
             "--after" => args.after = value.parse().context("--after")?,
             "--sleep-ms" => args.sleep_ms = value.parse().context("--sleep-ms")?,
+            "--crash-once" => args.crash_once = Some(value),
             _ => bail!("unknown flag {flag}"),
         }
     }
@@ -85,6 +98,27 @@ fn checksum(taps: &OwnedTaps) -> u64 {
     tensors.flatten().fold(0xcbf2_9ce4_8422_2325, |h, x| {
         (h ^ u64::from(x.to_bits())).wrapping_mul(0x0100_0000_01b3)
     })
+}
+
+/// [`checksum`] of each row on its own (every tensor's slice of that row, in tensor order).
+fn row_checksums(taps: &OwnedTaps) -> Vec<u64> {
+    let rows = taps.rows as usize;
+    let tensors: Vec<&Vec<f32>> = taps
+        .layers
+        .iter()
+        .chain(&taps.final_hidden)
+        .chain(taps.kv.iter().flat_map(|(k, v)| [k, v]))
+        .collect();
+    (0..rows)
+        .map(|r| {
+            tensors.iter().fold(0xcbf2_9ce4_8422_2325, |h, t| {
+                let w = t.len() / rows;
+                t[r * w..(r + 1) * w].iter().fold(h, |h, x| {
+                    (h ^ u64::from(x.to_bits())).wrapping_mul(0x0100_0000_01b3)
+                })
+            })
+        })
+        .collect()
 }
 
 fn read(region: Option<&ShmReader>, views: &TapViews) -> specula_protocol::Result<OwnedTaps> {
@@ -187,10 +221,27 @@ fn run() -> Result<()> {
             return Ok(()); // the host is gone
         };
         let mut log = |what: &str, session: SessionId, views: &Option<TapViews>| -> Result<()> {
-            let (Some(out), Some(views)) = (out.as_mut(), views) else {
+            let Some(out) = out.as_mut() else {
+                return Ok(());
+            };
+            let Some(views) = views else {
+                if args.rows {
+                    writeln!(out, "{what} {session} 0 none")?;
+                }
                 return Ok(());
             };
             match read(region.as_ref(), views) {
+                Ok(t) if args.rows => {
+                    let rows: Vec<String> = row_checksums(&t).iter().map(u64::to_string).collect();
+                    writeln!(
+                        out,
+                        "{what} {session} {} {} {} {}",
+                        t.rows,
+                        checksum(&t),
+                        t.pos,
+                        rows.join(",")
+                    )?
+                }
                 Ok(t) => writeln!(out, "{what} {session} {} {}", t.rows, checksum(&t))?,
                 Err(_) => writeln!(out, "{what} {session} torn")?,
             }
@@ -239,6 +290,12 @@ fn run() -> Result<()> {
                         }
                         "exit-mid-request" if drafts > args.after => std::process::exit(1),
                         _ => {}
+                    }
+                    if let Some(flag) = &args.crash_once {
+                        if drafts > args.after && !std::path::Path::new(flag).exists() {
+                            std::fs::write(flag, b"crashed\n")?;
+                            std::process::exit(1);
+                        }
                     }
                 }
                 tx.send(DrafterMsg::Reply {
