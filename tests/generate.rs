@@ -45,6 +45,7 @@ fn request(
             }
         },
         logprobs: None,
+        grammar: None,
     }
 }
 

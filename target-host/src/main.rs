@@ -158,6 +158,7 @@ fn generate_cmd(args: GenerateArgs) -> Result<()> {
         stop: Vec::new(),
         speculation,
         logprobs: None,
+        grammar: None,
     };
     let config = EngineConfig {
         draft_deadline_cap: args.drafter.client_config().draft_deadline,

@@ -107,6 +107,38 @@ pub struct CommonParams {
     pub stream_options: Option<StreamOptions>,
     /// Specula extension, see the module docs.
     pub speculative: Option<SpeculativeField>,
+    /// Structured output: `text`, `json_object` or `json_schema`.
+    pub response_format: Option<ResponseFormat>,
+}
+
+/// `response_format`, as OpenAI defines it (vLLM takes it on completions too).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ResponseFormat {
+    /// Free text (the default).
+    Text,
+    /// Any JSON object.
+    JsonObject,
+    /// JSON valid under a schema.
+    JsonSchema {
+        /// The schema and its name.
+        json_schema: JsonSchemaFormat,
+    },
+}
+
+/// `response_format.json_schema`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JsonSchemaFormat {
+    /// Name of the format: `[a-zA-Z0-9_-]`, at most 64 characters.
+    pub name: String,
+    /// What the format is for (not used in generation).
+    pub description: Option<String>,
+    /// The JSON schema.
+    pub schema: Option<serde_json::Value>,
+    /// `true`: a schema part that cannot be enforced is an error; `false` (default): such a
+    /// part is not enforced (the output is still JSON).
+    pub strict: Option<bool>,
 }
 
 /// `POST /v1/completions` body.
