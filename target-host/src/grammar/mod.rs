@@ -22,6 +22,11 @@ use toktrie::SimpleVob;
 
 pub use vocab::Vocab;
 
+/// Whitespace allowed between JSON tokens, unless the schema's `x-guidance` says otherwise:
+/// any JSON whitespace, at most 24 characters at a time (enough to indent pretty-printed
+/// JSON; unbounded whitespace lets a small model pad until `max_tokens` and never close).
+const WHITESPACE: &str = r"[\x20\x0A\x0D\x09]{1,24}";
+
 /// A grammar that cannot be compiled, or a constraint that broke while running.
 #[derive(Debug, thiserror::Error)]
 pub enum GrammarError {
@@ -88,7 +93,9 @@ pub struct Constraint {
 impl Constraint {
     /// Output must be JSON valid under `schema`. `strict`: a keyword or format llguidance
     /// cannot enforce is an error naming it; otherwise it is ignored (the output is still
-    /// JSON, checked for every part that is enforced).
+    /// JSON, checked for every part that is enforced). llguidance's options may be given in
+    /// the schema's `x-guidance` object; whitespace runs are bounded ([`WHITESPACE`]) unless
+    /// it sets `whitespace_flexible` or `whitespace_pattern`.
     ///
     /// # Errors
     /// [`GrammarError::Schema`] naming what is wrong.
@@ -109,6 +116,12 @@ impl Constraint {
             None => serde_json::Map::new(),
         };
         options.insert("lenient".into(), Value::Bool(!strict));
+        let says_whitespace = ["whitespace_flexible", "whitespace_pattern"]
+            .iter()
+            .any(|k| options.contains_key(*k));
+        if !says_whitespace {
+            options.insert("whitespace_pattern".into(), WHITESPACE.into());
+        }
         obj.insert("x-guidance".into(), Value::Object(options));
         let grammar = llguidance::api::TopLevelGrammar::from_json_schema(Value::Object(obj));
         Self::compile(vocab, grammar, "json_schema").map_err(GrammarError::Schema)
@@ -263,4 +276,4 @@ impl std::fmt::Debug for Constraint {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

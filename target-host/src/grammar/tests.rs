@@ -11,7 +11,8 @@ use specula_models::tokenizer::{Special, Tokenizer};
 
 use super::*;
 
-fn tokenizer() -> &'static Tokenizer {
+/// The SmolLM2 tokenizer (fetched on first use).
+pub(crate) fn tokenizer() -> &'static Tokenizer {
     static TOK: OnceLock<Tokenizer> = OnceLock::new();
     TOK.get_or_init(|| {
         let path = crate::models::resolve_model("smollm2-135m").expect("fetch SmolLM2");
@@ -19,7 +20,8 @@ fn tokenizer() -> &'static Tokenizer {
     })
 }
 
-fn vocab() -> Arc<Vocab> {
+/// The SmolLM2 vocabulary.
+pub(crate) fn vocab() -> Arc<Vocab> {
     Vocab::of(tokenizer()).expect("vocabulary")
 }
 

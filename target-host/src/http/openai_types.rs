@@ -111,19 +111,16 @@ pub struct CommonParams {
     pub response_format: Option<ResponseFormat>,
 }
 
-/// `response_format`, as OpenAI defines it (vLLM takes it on completions too).
+/// `response_format`, as OpenAI defines it (vLLM takes it on completions too). A plain struct
+/// rather than a tagged enum, so that a bad field inside `json_schema` is named by its path.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
-pub enum ResponseFormat {
-    /// Free text (the default).
-    Text,
-    /// Any JSON object.
-    JsonObject,
-    /// JSON valid under a schema.
-    JsonSchema {
-        /// The schema and its name.
-        json_schema: JsonSchemaFormat,
-    },
+#[serde(deny_unknown_fields)]
+pub struct ResponseFormat {
+    /// `text` (the default), `json_object` (any JSON object) or `json_schema`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The schema, for `json_schema`.
+    pub json_schema: Option<JsonSchemaFormat>,
 }
 
 /// `response_format.json_schema`.

@@ -232,10 +232,31 @@ const MAX_FORMAT_NAME: usize = 64;
 /// 400 naming the part at fault: a bad name, a missing schema, a schema that does not compile
 /// or (strict) uses a part that cannot be enforced.
 fn response_format(state: &AppState, f: &ResponseFormat) -> Result<Option<Constraint>, ApiError> {
-    let schema = match f {
-        ResponseFormat::Text => return Ok(None),
-        ResponseFormat::JsonObject => None,
-        ResponseFormat::JsonSchema { json_schema } => Some(check_json_schema(json_schema)?),
+    let schema = match (f.kind.as_str(), &f.json_schema) {
+        ("json_schema", Some(s)) => Some(check_json_schema(s)?),
+        ("json_schema", None) => {
+            return Err(ApiError::invalid(
+                "response_format.json_schema",
+                "response_format of type json_schema needs json_schema",
+            ))
+        }
+        ("text" | "json_object", Some(_)) => {
+            return Err(ApiError::invalid(
+                "response_format.json_schema",
+                format!("json_schema goes with type json_schema, not {}", f.kind),
+            ))
+        }
+        ("text", None) => return Ok(None),
+        ("json_object", None) => None,
+        (other, _) => {
+            return Err(ApiError::invalid(
+                "response_format.type",
+                format!(
+                    "unknown response_format type `{other}`: expected text, json_object or \
+                     json_schema"
+                ),
+            ))
+        }
     };
     let vocab = Vocab::of(state.engine.tokenizer()).map_err(|e| {
         ApiError::invalid(

@@ -279,4 +279,73 @@ mod tests {
             }
         }
     }
+
+    /// Under a grammar, the first committed token has exactly the masked target distribution,
+    /// whether the drafter proposes a forbidden token, an allowed one, or samples from a wrong
+    /// `q`; the grammar's state is the same after every round.
+    #[test]
+    fn rejection_sampling_under_a_mask_gives_the_masked_distribution() {
+        use crate::grammar::{tests::vocab, Constraint};
+        let vocab = vocab();
+        let mut g = Constraint::json_object(&vocab);
+        let m0 = g.allowed().unwrap().clone();
+        let n_vocab = vocab.len();
+        let allowed: Vec<u32> = (0..n_vocab as u32)
+            .filter(|&t| m0.allows(t))
+            .take(3)
+            .collect();
+        let forbidden: Vec<u32> = (0..n_vocab as u32)
+            .filter(|&t| !m0.allows(t))
+            .take(2)
+            .collect();
+        let mut logits = vec![-1e4f32; n_vocab];
+        for (&t, l) in allowed.iter().zip([1.0, 0.2, -0.5]) {
+            logits[t as usize] = l;
+        }
+        for &t in &forbidden {
+            logits[t as usize] = 3.0; // the most likely tokens, were there no grammar
+        }
+        let z: f32 = [1.0f32, 0.2, -0.5].iter().map(|x| x.exp()).sum();
+        let target: Vec<f32> = [1.0f32, 0.2, -0.5].iter().map(|x| x.exp() / z).collect();
+        let mut q = vec![0.0f32; n_vocab];
+        q[forbidden[0] as usize] = 0.5;
+        q[allowed[2] as usize] = 0.4;
+        q[allowed[0] as usize] = 0.1;
+        let n = 6000;
+        for case in 0..3 {
+            let mut s = sampler(1.0, 21 + case);
+            let mut drafter = sampler(1.0, 40 + case);
+            let mut counts = [0usize; 3];
+            for _ in 0..n {
+                let (d, qs) = match case {
+                    0 => (forbidden[1], None),
+                    1 => (allowed[1], None),
+                    _ => (drafter.draw_from(&q), Some(vec![q.clone()])),
+                };
+                let rows = vec![logits.clone(), logits.clone()];
+                let a = verify(
+                    &mut s,
+                    &rows,
+                    &[d],
+                    qs.as_deref(),
+                    &mut vec![],
+                    Some(&mut g),
+                )
+                .unwrap();
+                let first = if a.accepted == 1 { d } else { a.next };
+                let at = allowed.iter().position(|&t| t == first);
+                counts[at.unwrap_or_else(|| panic!("case {case}: {first} is outside the mask"))] +=
+                    1;
+                assert_eq!(g.allowed().unwrap(), &m0, "state restored");
+            }
+            for (i, &c) in counts.iter().enumerate() {
+                let f = c as f32 / n as f32;
+                assert!(
+                    (f - target[i]).abs() < 0.02,
+                    "case {case} token {i}: {f} vs {}",
+                    target[i]
+                );
+            }
+        }
+    }
 }
