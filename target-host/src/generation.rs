@@ -126,6 +126,10 @@ pub struct GenerationStats {
     pub forward_ms: f64,
     /// Time waiting for drafts (IPC and the drafter's own work for out-of-process drafters).
     pub draft_ms: f64,
+    /// Grammar masks computed (structured output; 0 without a grammar).
+    pub grammar_masks: usize,
+    /// Time in the grammar engine: masks, advances, rollbacks, draft checks.
+    pub grammar_ms: f64,
     /// Decode time outside forwards and drafting: verification, sampling, cache rollback,
     /// verdicts, detokenization. The speculative loop's own overhead.
     pub host_ms: f64,

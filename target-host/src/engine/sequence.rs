@@ -216,6 +216,11 @@ impl<'t> Sequence<'t> {
         stats.prefill_ms = ms(self.started, first);
         stats.decode_ms = ms(first, Instant::now());
         stats.host_ms = (stats.decode_ms - stats.forward_ms - stats.draft_ms).max(0.0);
+        if let Some(g) = &self.grammar {
+            let (masks, spent) = g.cost();
+            stats.grammar_masks = masks;
+            stats.grammar_ms = spent.as_secs_f64() * 1e3;
+        }
         stats.decode_tokens_per_s = rate(stats.generated_tokens, stats.decode_ms);
         stats.mean_accepted_per_round = ratio(stats.accepted, stats.rounds);
         stats.acceptance_rate = ratio(stats.accepted, stats.drafted);

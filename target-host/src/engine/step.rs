@@ -8,11 +8,14 @@
 //! 2. plan: every running sequence contributes `[pending, d1..dk]` with its own k (0: a plain
 //!    decode row) chosen by the [`Controller`] (or fixed by the request); prefill chunks share
 //!    the rest of the token budget;
-//! 3. draft: one batched call to the proposer for every sequence with k > 0;
+//! 3. draft: one batched call to the proposer for every sequence with k > 0; a sequence
+//!    under a grammar keeps only the draft prefix its grammar allows
+//!    ([`crate::grammar::Constraint::check_draft`]);
 //! 4. one target forward over all rows ([`Target::forward`]), logits only where verified;
-//! 5. per sequence: verify (greedy argmax or rejection sampling, [`crate::verify`]), roll the
-//!    K/V back to what was accepted, commit the tokens, tell the drafter (commit or advance,
-//!    with the taps of exactly the committed positions).
+//! 5. per sequence: verify (greedy argmax or rejection sampling, each row under the grammar's
+//!    mask when there is one, [`crate::verify`]), roll the K/V back to what was accepted,
+//!    commit the tokens (advancing the grammar), tell the drafter (commit or advance, with the
+//!    taps of exactly the committed positions).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

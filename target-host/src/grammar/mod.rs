@@ -17,6 +17,8 @@
 
 mod vocab;
 
+use std::time::{Duration, Instant};
+
 use serde_json::Value;
 use toktrie::SimpleVob;
 
@@ -88,6 +90,10 @@ pub struct Constraint {
     ahead: Vec<Mask>,
     /// The drafts `ahead[1..]` assume.
     path: Vec<u32>,
+    /// Masks computed so far.
+    masks: usize,
+    /// Time spent in the matcher (masks, advances, rollbacks).
+    spent: Duration,
 }
 
 impl Constraint {
@@ -162,6 +168,8 @@ impl Constraint {
             kind,
             ahead: Vec::new(),
             path: Vec::new(),
+            masks: 0,
+            spent: Duration::ZERO,
         })
     }
 
@@ -171,7 +179,10 @@ impl Constraint {
     /// [`GrammarError::Failed`] when the matcher is in an error state.
     pub fn allowed(&mut self) -> Result<&Mask, GrammarError> {
         if self.ahead.is_empty() {
-            let m = self.compute()?;
+            let started = Instant::now();
+            let m = self.compute();
+            self.spent += started.elapsed();
+            let m = m?;
             self.ahead.push(m);
             self.path.clear();
         }
@@ -179,10 +190,17 @@ impl Constraint {
     }
 
     fn compute(&mut self) -> Result<Mask, GrammarError> {
+        self.masks += 1;
         self.matcher
             .compute_mask_or_eos()
             .map(Mask)
             .map_err(|e| GrammarError::Failed(format!("{e:#}")))
+    }
+
+    /// Masks computed so far, and the time spent in the matcher (masks, advances and
+    /// rollbacks).
+    pub fn cost(&self) -> (usize, Duration) {
+        (self.masks, self.spent)
     }
 
     /// Consumes `token`.
@@ -198,9 +216,10 @@ impl Constraint {
             self.ahead.clear();
             self.path.clear();
         }
-        self.matcher
-            .consume_token(token)
-            .map_err(|e| GrammarError::Failed(format!("{e:#}")))
+        let started = Instant::now();
+        let out = self.matcher.consume_token(token);
+        self.spent += started.elapsed();
+        out.map_err(|e| GrammarError::Failed(format!("{e:#}")))
     }
 
     /// Undoes the last `n` [`Constraint::advance`]s.
@@ -213,9 +232,10 @@ impl Constraint {
         }
         self.ahead.clear();
         self.path.clear();
-        self.matcher
-            .rollback(n)
-            .map_err(|e| GrammarError::Failed(format!("{e:#}")))
+        let started = Instant::now();
+        let out = self.matcher.rollback(n);
+        self.spent += started.elapsed();
+        out.map_err(|e| GrammarError::Failed(format!("{e:#}")))
     }
 
     /// Whether the output so far is a complete match (EOS allowed now).
@@ -239,6 +259,13 @@ impl Constraint {
     pub fn check_draft(&mut self, draft: &[u32]) -> usize {
         self.ahead.clear();
         self.path.clear();
+        let started = Instant::now();
+        let n = self.walk(draft);
+        self.spent += started.elapsed();
+        n
+    }
+
+    fn walk(&mut self, draft: &[u32]) -> usize {
         let mut n = 0;
         for i in 0..=draft.len() {
             let Ok(mask) = self.compute() else { break };

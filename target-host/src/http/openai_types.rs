@@ -6,6 +6,9 @@
 //! 400 naming it (`request::check_fields`); fields we read are typed, so a wrong type is a 400
 //! that names the field.
 //!
+//! Structured output: `response_format` (`text`, `json_object`, `json_schema` with `name`,
+//! `schema`, `strict`) on chat and, as vLLM takes it, on completions.
+//!
 //! Extensions shared with vLLM: `top_k`, `min_p`, `repetition_penalty`, and on chat
 //! `chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`.
 //!
