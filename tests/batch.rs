@@ -57,6 +57,7 @@ fn request(
         stop: vec![],
         speculation,
         logprobs: None,
+        grammar: None,
     }
 }
 

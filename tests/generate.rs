@@ -46,6 +46,7 @@ fn request(
             }
         },
         logprobs: None,
+        grammar: None,
     }
 }
 

@@ -56,6 +56,7 @@ fn lib_generate(
         stop: vec![],
         speculation,
         logprobs: None,
+        grammar: None,
     };
     generate(
         &loaded.model,

@@ -9,6 +9,7 @@ mod dflash;
 mod drafters;
 mod generate;
 mod golden;
+mod grammar;
 mod law;
 mod server;
 mod spec;

@@ -122,6 +122,7 @@ pub fn run(args: &WorkerArgs) -> Result<()> {
                     stop: vec![],
                     speculation: speculation(&s.config),
                     logprobs: None,
+                    grammar: None,
                 };
                 match run_item(&loaded, &s.slot, &gen) {
                     Ok(mut sample) => {

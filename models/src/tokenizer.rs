@@ -11,6 +11,7 @@
 //! [`StreamDecoder`] turns a stream of ids into text without ever emitting half a UTF-8
 //! character.
 
+mod bytes;
 mod gguf;
 mod hf;
 mod sentencepiece;
@@ -21,6 +22,7 @@ use std::sync::OnceLock;
 
 use sha2::{Digest, Sha256};
 
+pub use bytes::TokenPiece;
 pub use stream::StreamDecoder;
 
 use crate::{Error, Result};

@@ -239,6 +239,7 @@ fn greedy_request(args: &BenchArgs, vocab: usize, speculation: Speculation) -> G
         stop: Vec::new(),
         speculation,
         logprobs: None,
+        grammar: None,
     }
 }
 

@@ -11,6 +11,7 @@ use specula_models::tokenizer::Tokenizer;
 use specula_models::Model;
 
 use crate::engine::{Core, EngineConfig, Sink};
+use crate::grammar::Constraint;
 use crate::proposer::{ProposerSlot, SessionId};
 
 /// Whether and how much to speculate for one request.
@@ -48,13 +49,16 @@ pub struct GenerationRequest {
     pub speculation: Speculation,
     /// `Some(n)`: report the chosen token's log-probability and the `n` most likely alternatives.
     pub logprobs: Option<usize>,
+    /// Structured output: every token is chosen under this grammar's mask (fresh: nothing
+    /// consumed yet).
+    pub grammar: Option<Constraint>,
 }
 
 /// Why generation ended (OpenAI's `finish_reason`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
-    /// An end-of-sequence token or a stop string.
+    /// An end-of-sequence token, a stop string, or a grammar that was complete.
     Stop,
     /// `max_tokens` or the end of the context.
     Length,
@@ -122,6 +126,10 @@ pub struct GenerationStats {
     pub forward_ms: f64,
     /// Time waiting for drafts (IPC and the drafter's own work for out-of-process drafters).
     pub draft_ms: f64,
+    /// Grammar masks computed (structured output; 0 without a grammar).
+    pub grammar_masks: usize,
+    /// Time in the grammar engine: masks, advances, rollbacks, draft checks.
+    pub grammar_ms: f64,
     /// Decode time outside forwards and drafting: verification, sampling, cache rollback,
     /// verdicts, detokenization. The speculative loop's own overhead.
     pub host_ms: f64,

@@ -18,6 +18,7 @@ pub mod drafter;
 pub mod drafter_args;
 pub mod engine;
 pub mod generation;
+pub mod grammar;
 pub mod http;
 pub mod models;
 pub mod proposer;

@@ -9,6 +9,7 @@ use specula_models::sampling::SamplingParams;
 use specula_models::tokenizer::Special;
 use target_host::engine::EngineConfig;
 use target_host::generation::{generate, Flow, GenerationRequest, Speculation};
+use target_host::grammar::{Constraint, Vocab};
 use target_host::models::{load_model, ModelArgs};
 use target_host::proposer::ProposerSlot;
 
@@ -80,6 +81,13 @@ struct GenerateArgs {
     /// Print one JSON object with the text, ids and stats instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// Structured output: the text is JSON valid under the schema in this file (strict: a
+    /// schema part that cannot be enforced is an error).
+    #[arg(long, conflicts_with = "json_object")]
+    json_schema: Option<std::path::PathBuf>,
+    /// Structured output: the text is one JSON object.
+    #[arg(long)]
+    json_object: bool,
 }
 
 fn main() -> std::process::ExitCode {
@@ -148,6 +156,7 @@ fn generate_cmd(args: GenerateArgs) -> Result<()> {
         seed: args.seed,
         ..SamplingParams::default()
     };
+    let grammar = grammar_of(&args, &loaded.tokenizer)?;
     let (proposer, speculation) = args.drafter.start(&loaded)?;
     let slot = ProposerSlot::new(proposer);
     let req = GenerationRequest {
@@ -158,6 +167,7 @@ fn generate_cmd(args: GenerateArgs) -> Result<()> {
         stop: Vec::new(),
         speculation,
         logprobs: None,
+        grammar,
     };
     let config = EngineConfig {
         draft_deadline_cap: args.drafter.client_config().draft_deadline,
@@ -217,4 +227,25 @@ fn generate_cmd(args: GenerateArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The grammar `--json-schema` or `--json-object` asks for.
+fn grammar_of(
+    args: &GenerateArgs,
+    tokenizer: &specula_models::tokenizer::Tokenizer,
+) -> Result<Option<Constraint>> {
+    if args.json_schema.is_none() && !args.json_object {
+        return Ok(None);
+    }
+    let vocab = Vocab::of(tokenizer)?;
+    let Some(path) = &args.json_schema else {
+        return Ok(Some(Constraint::json_object(&vocab)));
+    };
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let schema: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    let c = Constraint::json_schema(&vocab, &schema, true)
+        .with_context(|| format!("--json-schema {}", path.display()))?;
+    Ok(Some(c))
 }

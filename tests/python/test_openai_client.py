@@ -114,7 +114,7 @@ def test_bad_request_raises(client, model):
         ({"logit_bias": {"1": 200}}, "logit_bias"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ],
 )
 def test_unsupported_or_out_of_range_is_a_400(client, model, extra, param):

@@ -20,6 +20,7 @@ use specula_models::tokenizer::{StreamDecoder, Tokenizer};
 use crate::generation::{
     FinishReason, Flow, Generation, GenerationRequest, GenerationStats, TokenEvent, TokenLogprob,
 };
+use crate::grammar::Constraint;
 use crate::proposer::SessionId;
 use crate::text::{StopMatcher, StopScan};
 
@@ -44,6 +45,8 @@ pub struct Sequence<'t> {
     pub sampler: Sampler,
     /// Prompt + committed ids; the last one is pending once the prompt is computed.
     pub context: Vec<u32>,
+    /// The request's grammar, advanced through every committed token.
+    pub grammar: Option<Constraint>,
     /// Positions whose K/V the target holds.
     pub computed: usize,
     ids: Vec<u32>,
@@ -61,9 +64,14 @@ pub struct Sequence<'t> {
 
 impl<'t> Sequence<'t> {
     /// A sequence for `req` (already validated), streaming to `sink`.
-    pub fn new(req: GenerationRequest, sink: Box<dyn Sink + 't>, tokenizer: &'t Tokenizer) -> Self {
+    pub fn new(
+        mut req: GenerationRequest,
+        sink: Box<dyn Sink + 't>,
+        tokenizer: &'t Tokenizer,
+    ) -> Self {
         let finish = (req.max_tokens == 0).then_some(FinishReason::Length);
         Sequence {
+            grammar: req.grammar.take(),
             // Presence/frequency penalties count generated tokens: the history's tail.
             sampler: Sampler::for_prompt(req.sampling.clone(), req.prompt_ids.len()),
             context: req.prompt_ids.clone(),
@@ -130,17 +138,24 @@ impl<'t> Sequence<'t> {
         self.finish.get_or_insert(reason);
     }
 
-    /// Commits one token exactly as plain decoding would: EOS and stop strings end the text,
-    /// `max_tokens` ends the generation. `logits` (the row it was chosen from) feeds logprobs.
+    /// Commits one token exactly as plain decoding would: EOS, stop strings and a complete
+    /// grammar end the text, `max_tokens` ends the generation. `logits` (the row it was chosen
+    /// from) feeds logprobs.
     ///
     /// # Errors
-    /// Detokenization failures.
+    /// Detokenization failures; a token the grammar does not allow.
     pub fn commit(&mut self, id: u32, logits: Option<&[f32]>) -> anyhow::Result<()> {
         self.first_token.get_or_insert_with(Instant::now);
         self.context.push(id);
         if self.tokenizer.eos_ids().contains(&id) {
             self.finish = Some(FinishReason::Stop);
             return Ok(());
+        }
+        if let Some(g) = &mut self.grammar {
+            g.advance(id)?;
+            if g.is_complete() {
+                self.finish = Some(FinishReason::Stop);
+            }
         }
         self.ids.push(id);
         let checked = self.text.len();
@@ -201,6 +216,11 @@ impl<'t> Sequence<'t> {
         stats.prefill_ms = ms(self.started, first);
         stats.decode_ms = ms(first, Instant::now());
         stats.host_ms = (stats.decode_ms - stats.forward_ms - stats.draft_ms).max(0.0);
+        if let Some(g) = &self.grammar {
+            let (masks, spent) = g.cost();
+            stats.grammar_masks = masks;
+            stats.grammar_ms = spent.as_secs_f64() * 1e3;
+        }
         stats.decode_tokens_per_s = rate(stats.generated_tokens, stats.decode_ms);
         stats.mean_accepted_per_round = ratio(stats.accepted, stats.rounds);
         stats.acceptance_rate = ratio(stats.accepted, stats.drafted);

@@ -8,11 +8,14 @@
 //! 2. plan: every running sequence contributes `[pending, d1..dk]` with its own k (0: a plain
 //!    decode row) chosen by the [`Controller`] (or fixed by the request); prefill chunks share
 //!    the rest of the token budget;
-//! 3. draft: one batched call to the proposer for every sequence with k > 0;
+//! 3. draft: one batched call to the proposer for every sequence with k > 0; a sequence
+//!    under a grammar keeps only the draft prefix its grammar allows
+//!    ([`crate::grammar::Constraint::check_draft`]);
 //! 4. one target forward over all rows ([`Target::forward`]), logits only where verified;
-//! 5. per sequence: verify (greedy argmax or rejection sampling, [`crate::verify`]), roll the
-//!    K/V back to what was accepted, commit the tokens, tell the drafter (commit or advance,
-//!    with the taps of exactly the committed positions).
+//! 5. per sequence: verify (greedy argmax or rejection sampling, each row under the grammar's
+//!    mask when there is one, [`crate::verify`]), roll the K/V back to what was accepted,
+//!    commit the tokens (advancing the grammar), tell the drafter (commit or advance, with the
+//!    taps of exactly the committed positions).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -362,6 +365,11 @@ impl<'a> Core<'a> {
                 if *asked > 0 {
                     *draft = drafts.next().unwrap_or_default();
                     trim_by_confidence(draft);
+                    // Drafts the grammar forbids would only be rejected: they get no row.
+                    if let Some(g) = &mut self.live[p.at].seq.grammar {
+                        let valid = g.check_draft(&draft.tokens);
+                        cut(draft, valid);
+                    }
                 }
             }
         }
@@ -460,11 +468,13 @@ impl<'a> Core<'a> {
                 }
                 if out.logits.dim(0)? > 0 {
                     // The chunk ran the last prompt id: its row samples the first token.
-                    let picked = Picked::fetch(&out.logits, choice(&live.seq.req))?;
+                    let picked = Picked::fetch(&out.logits, choice(&live.seq))?;
                     let seq = &mut live.seq;
                     let next = match &picked {
                         Picked::Rows(rows) => {
-                            verify(&mut seq.sampler, rows, &[], None, &mut seq.context).next
+                            let grammar = seq.grammar.as_mut();
+                            verify(&mut seq.sampler, rows, &[], None, &mut seq.context, grammar)?
+                                .next
                         }
                         Picked::Argmax(ids) => verify_greedy(ids, &[]).next,
                     };
@@ -488,7 +498,7 @@ impl<'a> Core<'a> {
             PartKind::Decode { asked, draft } => {
                 let seq = &mut live.seq;
                 let base = seq.computed;
-                let picked = Picked::fetch(&out.logits, choice(&seq.req))?;
+                let picked = Picked::fetch(&out.logits, choice(seq))?;
                 let acceptance = match &picked {
                     Picked::Rows(rows) => verify(
                         &mut seq.sampler,
@@ -496,7 +506,8 @@ impl<'a> Core<'a> {
                         &draft.tokens,
                         draft.q.as_deref(),
                         &mut seq.context,
-                    ),
+                        seq.grammar.as_mut(),
+                    )?,
                     Picked::Argmax(ids) => verify_greedy(ids, &draft.tokens),
                 };
                 let accepted = acceptance.accepted;
@@ -600,6 +611,11 @@ fn trim_by_confidence(draft: &mut Draft) {
             reach >= CONFIDENCE_FLOOR
         })
         .count();
+    cut(draft, keep);
+}
+
+/// Keeps the first `keep` drafted tokens (with their q rows and confidences).
+fn cut(draft: &mut Draft, keep: usize) {
     draft.tokens.truncate(keep);
     if let Some(q) = &mut draft.q {
         q.truncate(keep);
@@ -640,16 +656,18 @@ pub(super) fn need(req: &GenerationRequest, context: usize) -> usize {
 /// What verification needs from a sequence's logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Choice {
-    /// Every row, on the host: sampling, penalties and logprobs look at whole rows.
+    /// Every row, on the host: sampling, penalties, grammar masks and logprobs look at whole
+    /// rows.
     Rows,
     /// Plain greedy: only each row's argmax, taken on the device (one `u32` per row copied
     /// back instead of a vocabulary of floats).
     Argmax,
 }
 
-fn choice(req: &GenerationRequest) -> Choice {
-    let s = &req.sampling;
-    match s.is_greedy() && !s.processes_logits() && req.logprobs.is_none() {
+fn choice(seq: &Sequence<'_>) -> Choice {
+    let (req, s) = (&seq.req, &seq.req.sampling);
+    let plain = !s.processes_logits() && req.logprobs.is_none() && seq.grammar.is_none();
+    match s.is_greedy() && plain {
         true => Choice::Argmax,
         false => Choice::Rows,
     }

@@ -186,6 +186,10 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         ..args.engine.clone()
     };
     let engine = Engine::start(loaded, None, engine_config)?;
+    // Build the grammar vocabulary now, off the request path (the first response_format
+    // request would otherwise wait for it).
+    let warm = engine.clone();
+    std::thread::spawn(move || crate::grammar::Vocab::of(warm.tokenizer()).map(drop));
     let launcher = launch::launcher(&engine, &args.drafter);
     let first = match (&args.drafter.drafter, args.drafter.no_speculation) {
         (Some(path), false) => match launcher(path, &args.drafter.drafter_args) {

@@ -6,6 +6,9 @@
 //! 400 naming it (`request::check_fields`); fields we read are typed, so a wrong type is a 400
 //! that names the field.
 //!
+//! Structured output: `response_format` (`text`, `json_object`, `json_schema` with `name`,
+//! `schema`, `strict`) on chat and, as vLLM takes it, on completions.
+//!
 //! Extensions shared with vLLM: `top_k`, `min_p`, `repetition_penalty`, and on chat
 //! `chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`.
 //!
@@ -107,6 +110,35 @@ pub struct CommonParams {
     pub stream_options: Option<StreamOptions>,
     /// Specula extension, see the module docs.
     pub speculative: Option<SpeculativeField>,
+    /// Structured output: `text`, `json_object` or `json_schema`.
+    pub response_format: Option<ResponseFormat>,
+}
+
+/// `response_format`, as OpenAI defines it (vLLM takes it on completions too). A plain struct
+/// rather than a tagged enum, so that a bad field inside `json_schema` is named by its path.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResponseFormat {
+    /// `text` (the default), `json_object` (any JSON object) or `json_schema`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The schema, for `json_schema`.
+    pub json_schema: Option<JsonSchemaFormat>,
+}
+
+/// `response_format.json_schema`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JsonSchemaFormat {
+    /// Name of the format: `[a-zA-Z0-9_-]`, at most 64 characters.
+    pub name: String,
+    /// What the format is for (not used in generation).
+    pub description: Option<String>,
+    /// The JSON schema.
+    pub schema: Option<serde_json::Value>,
+    /// `true`: a schema part that cannot be enforced is an error; `false` (default): such a
+    /// part is not enforced (the output is still JSON).
+    pub strict: Option<bool>,
 }
 
 /// `POST /v1/completions` body.

@@ -6,9 +6,10 @@ use axum::http::StatusCode;
 use specula_models::sampling::SamplingParams;
 
 use super::error::ApiError;
-use super::openai_types::CommonParams;
+use super::openai_types::{CommonParams, JsonSchemaFormat, ResponseFormat};
 use super::AppState;
 use crate::generation::{GenerationRequest, Speculation};
+use crate::grammar::{Constraint, Vocab};
 
 /// Most alternatives per token a request may ask for (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: i64 = 20;
@@ -40,6 +41,7 @@ pub const COMMON_FIELDS: &[&str] = &[
     "stream_options",
     "speculative",
     "user",
+    "response_format",
 ];
 
 /// Answers 400 for the first top-level field of `body` not in any of `known`.
@@ -80,6 +82,8 @@ pub struct Checked {
     pub stream: bool,
     /// Send a usage chunk at the end of the stream.
     pub include_usage: bool,
+    /// The compiled `response_format`.
+    pub grammar: Option<Constraint>,
 }
 
 /// Checks the fields both endpoints share.
@@ -165,7 +169,14 @@ pub fn check_common(state: &AppState, p: &CommonParams) -> Result<Checked, ApiEr
         return Err(ApiError::invalid("stop", "stop strings must not be empty"));
     }
     let speculation = speculation(state, p)?;
+    let grammar = p
+        .response_format
+        .as_ref()
+        .map(|f| response_format(state, f))
+        .transpose()?
+        .flatten();
     Ok(Checked {
+        grammar,
         default_max_tokens: None,
         sampling,
         stop,
@@ -210,6 +221,79 @@ fn speculation(state: &AppState, p: &CommonParams) -> Result<Speculation, ApiErr
             num_draft_tokens: k,
         },
     })
+}
+
+/// Longest `response_format.json_schema.name` (OpenAI's limit).
+const MAX_FORMAT_NAME: usize = 64;
+
+/// Compiles `response_format` for the served model's vocabulary (`None`: free text).
+///
+/// # Errors
+/// 400 naming the part at fault: a bad name, a missing schema, a schema that does not compile
+/// or (strict) uses a part that cannot be enforced.
+fn response_format(state: &AppState, f: &ResponseFormat) -> Result<Option<Constraint>, ApiError> {
+    let schema = match (f.kind.as_str(), &f.json_schema) {
+        ("json_schema", Some(s)) => Some(check_json_schema(s)?),
+        ("json_schema", None) => {
+            return Err(ApiError::invalid(
+                "response_format.json_schema",
+                "response_format of type json_schema needs json_schema",
+            ))
+        }
+        ("text" | "json_object", Some(_)) => {
+            return Err(ApiError::invalid(
+                "response_format.json_schema",
+                format!("json_schema goes with type json_schema, not {}", f.kind),
+            ))
+        }
+        ("text", None) => return Ok(None),
+        ("json_object", None) => None,
+        (other, _) => {
+            return Err(ApiError::invalid(
+                "response_format.type",
+                format!(
+                    "unknown response_format type `{other}`: expected text, json_object or \
+                     json_schema"
+                ),
+            ))
+        }
+    };
+    let vocab = Vocab::of(state.engine.tokenizer()).map_err(|e| {
+        ApiError::invalid(
+            "response_format",
+            format!("structured output is not available for this model: {e:#}"),
+        )
+    })?;
+    let Some((schema, strict)) = schema else {
+        return Ok(Some(Constraint::json_object(&vocab)));
+    };
+    Constraint::json_schema(&vocab, schema, strict)
+        .map(Some)
+        .map_err(|e| ApiError::invalid("response_format.json_schema.schema", e.to_string()))
+}
+
+fn check_json_schema(f: &JsonSchemaFormat) -> Result<(&serde_json::Value, bool), ApiError> {
+    let name_ok = !f.name.is_empty()
+        && f.name.len() <= MAX_FORMAT_NAME
+        && f.name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if !name_ok {
+        return Err(ApiError::invalid(
+            "response_format.json_schema.name",
+            format!(
+                "name must be 1 to {MAX_FORMAT_NAME} characters of a-z, A-Z, 0-9, _ and -, got {:?}",
+                f.name
+            ),
+        ));
+    }
+    let schema = f.schema.as_ref().ok_or_else(|| {
+        ApiError::invalid(
+            "response_format.json_schema.schema",
+            "json_schema needs a schema",
+        )
+    })?;
+    Ok((schema, f.strict.unwrap_or(false)))
 }
 
 /// `logit_bias` (`{"token id": bias}`) as (id, bias) pairs, ids checked against the vocabulary.
@@ -307,6 +391,7 @@ impl Checked {
             stop: self.stop,
             speculation: self.speculation,
             logprobs,
+            grammar: self.grammar,
         };
         let plan = StreamPlan {
             stream: self.stream,

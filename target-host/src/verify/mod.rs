@@ -10,6 +10,8 @@
 
 use specula_models::sampling::{Distribution, Sampler};
 
+use crate::grammar::{Constraint, GrammarError};
+
 /// The outcome of verifying one round of drafts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Acceptance {
@@ -25,13 +27,24 @@ pub struct Acceptance {
 /// `q` holds the drafter's probability row for each draft when it sampled them; `None` means the
 /// drafts were picked deterministically (one-hot `q`). `history` is the context before the
 /// verified window, used by the repetition penalty; it is extended with accepted drafts here.
+///
+/// With a `grammar`, row `i` is masked by the grammar's state after the context and
+/// `d1..d(i-1)` before anything else (penalties, temperature, filters): the grammar advances
+/// through each accepted draft, the correction or bonus token is drawn under its row's mask,
+/// and the grammar is rolled back to where it started (committing advances it for real).
+/// Drafts the grammar forbids have probability 0 and are rejected; [`Constraint::check_draft`]
+/// cuts them before the forward so they cost no row.
+///
+/// # Errors
+/// The grammar's matcher failing (it never does on tokens its own masks allowed).
 pub fn verify(
     sampler: &mut Sampler,
     rows: &[Vec<f32>],
     drafts: &[u32],
     q: Option<&[Vec<f32>]>,
     history: &mut Vec<u32>,
-) -> Acceptance {
+    mut grammar: Option<&mut Constraint>,
+) -> Result<Acceptance, GrammarError> {
     debug_assert_eq!(
         rows.len(),
         drafts.len() + 1,
@@ -40,24 +53,55 @@ pub fn verify(
     let base = history.len();
     let mut out = None;
     for (i, &d) in drafts.iter().enumerate() {
-        let p = sampler.distribution(&rows[i], history);
+        let p = distribution(sampler, &rows[i], history, grammar.as_deref_mut())?;
         match accept_one(sampler, &p, d, q.map(|q| q[i].as_slice())) {
-            Ok(()) => history.push(d),
+            Ok(()) => {
+                history.push(d);
+                if let Some(g) = grammar.as_deref_mut() {
+                    g.advance(d)?;
+                }
+            }
             Err(next) => {
                 out = Some(Acceptance { accepted: i, next });
                 break;
             }
         }
     }
-    let acceptance = out.unwrap_or_else(|| {
-        let p = sampler.distribution(&rows[drafts.len()], history);
-        Acceptance {
-            accepted: drafts.len(),
-            next: sampler.draw(&p),
+    let acceptance = match out {
+        Some(a) => a,
+        None => {
+            let p = distribution(
+                sampler,
+                &rows[drafts.len()],
+                history,
+                grammar.as_deref_mut(),
+            )?;
+            Acceptance {
+                accepted: drafts.len(),
+                next: sampler.draw(&p),
+            }
         }
-    });
+    };
     history.truncate(base);
-    acceptance
+    if let Some(g) = grammar {
+        g.rollback(acceptance.accepted)?;
+    }
+    Ok(acceptance)
+}
+
+/// The sampler's distribution of `row`, masked by the grammar's current state first.
+fn distribution(
+    sampler: &Sampler,
+    row: &[f32],
+    history: &[u32],
+    grammar: Option<&mut Constraint>,
+) -> Result<Distribution, GrammarError> {
+    let Some(g) = grammar else {
+        return Ok(sampler.distribution(row, history));
+    };
+    let mut masked = row.to_vec();
+    g.allowed()?.apply(&mut masked);
+    Ok(sampler.distribution(&masked, history))
 }
 
 /// Greedy verification from each row's argmax alone (`argmax.len() == drafts.len() + 1`):
@@ -145,7 +189,7 @@ mod tests {
         let rows = vec![row(3, 8), row(4, 8), row(7, 8), row(1, 8)];
         let mut s = sampler(0.0, 0);
         let mut hist = vec![];
-        let a = verify(&mut s, &rows, &[3, 4, 5], None, &mut hist);
+        let a = verify(&mut s, &rows, &[3, 4, 5], None, &mut hist, None).unwrap();
         assert_eq!(
             a,
             Acceptance {
@@ -153,7 +197,7 @@ mod tests {
                 next: 7
             }
         );
-        let a = verify(&mut s, &rows, &[3, 4, 7], None, &mut hist);
+        let a = verify(&mut s, &rows, &[3, 4, 7], None, &mut hist, None).unwrap();
         assert_eq!(
             a,
             Acceptance {
@@ -161,7 +205,7 @@ mod tests {
                 next: 1
             }
         );
-        let a = verify(&mut s, &rows, &[0, 4, 7], None, &mut hist);
+        let a = verify(&mut s, &rows, &[0, 4, 7], None, &mut hist, None).unwrap();
         assert_eq!(
             a,
             Acceptance {
@@ -194,7 +238,7 @@ mod tests {
                     false => (rng.uniform() * vocab as f32) as u32 % vocab as u32,
                 })
                 .collect();
-            let want = verify(&mut s, &rows, &drafts, None, &mut vec![]);
+            let want = verify(&mut s, &rows, &drafts, None, &mut vec![], None).unwrap();
             assert_eq!(verify_greedy(&argmax, &drafts), want, "case {case}");
         }
     }
@@ -221,7 +265,7 @@ mod tests {
                 };
                 let rows = vec![logits.clone(), logits.clone()];
                 let qs = q.as_ref().map(|q| vec![q.clone()]);
-                let a = verify(&mut s, &rows, &[d], qs.as_deref(), &mut vec![]);
+                let a = verify(&mut s, &rows, &[d], qs.as_deref(), &mut vec![], None).unwrap();
                 let first = if a.accepted == 1 { d } else { a.next };
                 counts[first as usize] += 1;
             }
@@ -230,6 +274,75 @@ mod tests {
                 assert!(
                     (f - target[i]).abs() < 0.012,
                     "q={q:?} token {i}: {f} vs {}",
+                    target[i]
+                );
+            }
+        }
+    }
+
+    /// Under a grammar, the first committed token has exactly the masked target distribution,
+    /// whether the drafter proposes a forbidden token, an allowed one, or samples from a wrong
+    /// `q`; the grammar's state is the same after every round.
+    #[test]
+    fn rejection_sampling_under_a_mask_gives_the_masked_distribution() {
+        use crate::grammar::{tests::vocab, Constraint};
+        let vocab = vocab();
+        let mut g = Constraint::json_object(&vocab);
+        let m0 = g.allowed().unwrap().clone();
+        let n_vocab = vocab.len();
+        let allowed: Vec<u32> = (0..n_vocab as u32)
+            .filter(|&t| m0.allows(t))
+            .take(3)
+            .collect();
+        let forbidden: Vec<u32> = (0..n_vocab as u32)
+            .filter(|&t| !m0.allows(t))
+            .take(2)
+            .collect();
+        let mut logits = vec![-1e4f32; n_vocab];
+        for (&t, l) in allowed.iter().zip([1.0, 0.2, -0.5]) {
+            logits[t as usize] = l;
+        }
+        for &t in &forbidden {
+            logits[t as usize] = 3.0; // the most likely tokens, were there no grammar
+        }
+        let z: f32 = [1.0f32, 0.2, -0.5].iter().map(|x| x.exp()).sum();
+        let target: Vec<f32> = [1.0f32, 0.2, -0.5].iter().map(|x| x.exp() / z).collect();
+        let mut q = vec![0.0f32; n_vocab];
+        q[forbidden[0] as usize] = 0.5;
+        q[allowed[2] as usize] = 0.4;
+        q[allowed[0] as usize] = 0.1;
+        let n = 6000;
+        for case in 0..3 {
+            let mut s = sampler(1.0, 21 + case);
+            let mut drafter = sampler(1.0, 40 + case);
+            let mut counts = [0usize; 3];
+            for _ in 0..n {
+                let (d, qs) = match case {
+                    0 => (forbidden[1], None),
+                    1 => (allowed[1], None),
+                    _ => (drafter.draw_from(&q), Some(vec![q.clone()])),
+                };
+                let rows = vec![logits.clone(), logits.clone()];
+                let a = verify(
+                    &mut s,
+                    &rows,
+                    &[d],
+                    qs.as_deref(),
+                    &mut vec![],
+                    Some(&mut g),
+                )
+                .unwrap();
+                let first = if a.accepted == 1 { d } else { a.next };
+                let at = allowed.iter().position(|&t| t == first);
+                counts[at.unwrap_or_else(|| panic!("case {case}: {first} is outside the mask"))] +=
+                    1;
+                assert_eq!(g.allowed().unwrap(), &m0, "state restored");
+            }
+            for (i, &c) in counts.iter().enumerate() {
+                let f = c as f32 / n as f32;
+                assert!(
+                    (f - target[i]).abs() < 0.02,
+                    "case {case} token {i}: {f} vs {}",
                     target[i]
                 );
             }
