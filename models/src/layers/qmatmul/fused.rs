@@ -5,13 +5,14 @@
 //! from about 7 to 9.5 tokens/s on the 2-core dev box.)
 //!
 //! A verify chunk (several rows) still unpacks each weight row once into a buffer and reuses
-//! it for every row: redoing the unpacking per row would cost more than the buffer. Both paths
+//! it for every row: unpacking in registers once per group of 4 or 8 rows was measured slower
+//! (SmolLM2 Q4_1, 8 and 16 rows: 62-68 vs 57 ms and 131-135 vs 104-105 ms CPU). Both paths
 //! compute, per block, the same eight integer lane sums and the same f32 operations in the same
 //! order (see the `dot` module docs), so a decode step here is bit-identical to the same row
 //! of a verify chunk there (`rows_do_not_depend_on_row_count` and `simd_builds_agree_exactly` check it for every type and path).
 //!
 //! ```text
-//!  for each pair of blocks (b even, b + 1):          (Q4_K/Q6_K: 8 blocks per super-block)
+//!  for each pair of blocks (b even, b + 1):
 //!    q, scales, min  <- unpack block b in registers  (bit-for-bit what `unpack` writes)
 //!    acc[b % 2] += f32(lanes(q, q_a)) * (scales * d_a);   min[b % 2] += min_w * s_a
 //! ```
@@ -22,7 +23,7 @@ use candle_core::quantized::GgmlDType;
 
 use super::dot::x86::hsum;
 use super::dot::ActRow;
-use super::unpack::x86::{for_each_block, Kind, Reg, Q4K, Q4_0, Q4_1, Q5_0, Q6K, Q8_0};
+use super::unpack::x86::{for_each_block, Kind, Reg, Q4_0, Q4_1, Q5_0, Q8_0};
 use super::unpack::QK;
 use crate::layers::simd::{Isa, Level};
 
@@ -102,8 +103,6 @@ pub(super) unsafe fn dot(isa: Isa, dtype: GgmlDType, row: &[u8], a: ActRow<'_>) 
         GgmlDType::Q4_0 => dot_kind::<Q4_0>(isa, row, a),
         GgmlDType::Q4_1 => dot_kind::<Q4_1>(isa, row, a),
         GgmlDType::Q5_0 => dot_kind::<Q5_0>(isa, row, a),
-        GgmlDType::Q8_0 => dot_kind::<Q8_0>(isa, row, a),
-        GgmlDType::Q4K => dot_kind::<Q4K>(isa, row, a),
-        _ => dot_kind::<Q6K>(isa, row, a),
+        _ => dot_kind::<Q8_0>(isa, row, a),
     }
 }

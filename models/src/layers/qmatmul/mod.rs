@@ -4,19 +4,25 @@
 //! the call: one decode row, a verify window, a 512-row prefill chunk, rows of several
 //! sequences.
 //!
-//! Why a row's bits cannot depend on the others: activations are quantized to 8 bits per row
-//! (ggml's `Q8_1`, one scale per 32 values, each row on its own); each weight row is unpacked
-//! into a common 32-element form ([`unpack`]) and dotted with each activation row ([`dot`]),
-//! whose integer lane sums are exact and whose f32 operations run in one fixed order per
-//! output, whichever tile or group of rows the row lands in. A decode step (one row) skips
-//! the buffer: [`fused`] unpacks each block in registers and dots it at once, with the same
-//! arithmetic (tested bit for bit).
+//! Why a row's bits cannot depend on the others: activations are quantized to 8 bits per row,
+//! each row on its own, and every kernel sums integers exactly and runs its f32 operations in
+//! one fixed order per output, whichever tile or group of rows the row lands in. Two families:
+//!
+//! - 32-element block types (`Q4_0`, `Q4_1`, `Q5_0`, `Q8_0`): activations in ggml's `Q8_1` (one
+//!   scale per 32 values); each weight row is unpacked into a common 32-element form
+//!   ([`unpack`]) and dotted with each activation row ([`dot`]). A decode step (one row) skips
+//!   the buffer: [`fused`] unpacks each block in registers and dots it at once, with the same
+//!   arithmetic (tested bit for bit).
+//! - k-quants (`Q4_K`, `Q6_K`): activations in ggml's `q8_K` (one scale per 256 values), integer
+//!   sums across each 256-weight super-block and one float multiply-add per super-block
+//!   ([`kquant`]); each super-block is unpacked in registers once for a group of rows.
 //!
 //! ```text
-//!  W  [n, k] raw GGUF blocks               X  [m, k] f32 -> m rows of k/32 (u8 q[32], d, s)
+//!  W  [n, k] raw GGUF blocks               X  [m, k] f32 -> m rows of 8-bit values + scales
 //!  for each weight row j (rayon, ROWS_PER_TASK per task):
-//!    unpack W[j] -> k/32 Blocks (i8 q[32], scales, min)    (once per call, in L1)
-//!    for each activation row r:  y[r, j] = dot(Blocks, X[r])   (same code for every r)
+//!    32-element types: unpack W[j] -> k/32 Blocks (once per call, in L1)
+//!                      for each activation row r: y[r, j] = dot(Blocks, X[r])
+//!    k-quants:         for each group of rows g: y[g, j] = kquant(W[j], X[g])
 //! ```
 //!
 //! Reference: ggml's `vec_dot_q*_q8_*` (`ggml-cpu/arch/x86/quants.c`); the per-lane integer
@@ -25,6 +31,7 @@
 mod dot;
 #[cfg(target_arch = "x86_64")]
 mod fused;
+mod kquant;
 mod unpack;
 
 use std::cell::RefCell;
@@ -43,7 +50,16 @@ const ROWS_PER_TASK: usize = 16;
 
 /// Whether [`matmul`] handles weights of this type.
 pub fn supports(dtype: GgmlDType) -> bool {
-    unpack::supports(dtype)
+    unpack::supports(dtype) || kquant::supports(dtype)
+}
+
+/// Elements per stored block of `dtype` (32, or 256 for the k-quants).
+fn block_elems(dtype: GgmlDType) -> usize {
+    if kquant::supports(dtype) {
+        kquant::QK_K
+    } else {
+        QK
+    }
 }
 
 /// Activation rows quantized to 8 bits per 32 values (see [`ActRow`]).
@@ -180,7 +196,7 @@ pub fn matmul(isa: Isa, w: &QTensor, xs: &Tensor) -> Result<Tensor> {
     let (n, k) = w.shape().dims2()?;
     let (m, xk) = xs.dims2()?;
     let dtype = w.dtype();
-    if xk != k || !supports(dtype) || k % unpack::block_elems(dtype) != 0 || !w.device().is_cpu() {
+    if xk != k || !supports(dtype) || k % block_elems(dtype) != 0 || !w.device().is_cpu() {
         return Err(Error::InvalidRequest {
             op: "qmatmul",
             reason: format!(
@@ -192,18 +208,75 @@ pub fn matmul(isa: Isa, w: &QTensor, xs: &Tensor) -> Result<Tensor> {
         });
     }
     let data = w.data()?;
-    let row_bytes = k / unpack::block_elems(dtype) * dtype.type_size();
+    let row_bytes = k / block_elems(dtype) * dtype.type_size();
     let xs: Vec<f32> = xs.flatten_all()?.to_vec1()?;
-    let acts = Acts::quantize(isa, &xs, k);
+    // out_t[j * m + r] = y[r, j]: each task owns a contiguous range of weight rows.
+    let mut out_t = vec![0f32; n * m];
+    if kquant::supports(dtype) {
+        matmul_k(isa, dtype, &data, row_bytes, &xs, k, &mut out_t);
+    } else {
+        matmul_blocks(isa, dtype, &data, row_bytes, &xs, k, &mut out_t);
+    }
+    let ys = match m {
+        1 => out_t,
+        _ => (0..m)
+            .flat_map(|r| (0..n).map(move |j| (r, j)))
+            .map(|(r, j)| out_t[j * m + r])
+            .collect(),
+    };
+    Ok(Tensor::from_vec(ys, (m, n), &Device::Cpu)?)
+}
+
+/// The k-quants ([`kquant`]): `out_t[j * m + r] = y[r, j]`.
+fn matmul_k(
+    isa: Isa,
+    dtype: GgmlDType,
+    weights: &[u8],
+    row_bytes: usize,
+    xs: &[f32],
+    k: usize,
+    out_t: &mut [f32],
+) {
+    let acts = kquant::Acts::quantize(isa, xs, k);
+    let rows = acts.rows();
+    let m = rows.len();
+    out_t
+        .par_chunks_mut(ROWS_PER_TASK * m)
+        .enumerate()
+        .for_each(|(t, out)| {
+            let j0 = t * ROWS_PER_TASK;
+            // Activation groups outside, weight rows inside: a group's activations stay in L1
+            // across the task's weight rows, and those rows stay in L1 across the groups.
+            for (g, a) in rows.chunks(kquant::GROUP).enumerate() {
+                for (jj, ys) in out.chunks_exact_mut(m).enumerate() {
+                    let j = j0 + jj;
+                    let w = &weights[j * row_bytes..(j + 1) * row_bytes];
+                    let ys = &mut ys[g * kquant::GROUP..][..a.len()];
+                    kquant::dot_rows(isa, dtype, w, a, ys);
+                }
+            }
+        });
+}
+
+/// The 32-element block types ([`unpack`], [`dot`], [`fused`]): `out_t[j * m + r] = y[r, j]`.
+fn matmul_blocks(
+    isa: Isa,
+    dtype: GgmlDType,
+    weights: &[u8],
+    row_bytes: usize,
+    xs: &[f32],
+    k: usize,
+    out_t: &mut [f32],
+) {
+    let acts = Acts::quantize(isa, xs, k);
+    let m = xs.len() / k;
     let ops = Operands {
         isa,
         dtype,
-        weights: &data,
+        weights,
         row_bytes,
         acts: &acts,
     };
-    // out_t[j * m + r] = y[r, j]: each task owns a contiguous range of weight rows.
-    let mut out_t = vec![0f32; n * m];
     out_t
         .par_chunks_mut(ROWS_PER_TASK * m)
         .enumerate()
@@ -217,7 +290,7 @@ pub fn matmul(isa: Isa, w: &QTensor, xs: &Tensor) -> Result<Tensor> {
                     let j = j0 + jj;
                     let w = &ops.weights[j * row_bytes..(j + 1) * row_bytes];
                     // SAFETY: a non-scalar `Isa` token proves its features; the type and the
-                    // row length were checked above.
+                    // row length were checked by `matmul`.
                     *y = unsafe { fused::dot(ops.isa, dtype, w, rows[0]) };
                 }
                 return;
@@ -230,14 +303,6 @@ pub fn matmul(isa: Isa, w: &QTensor, xs: &Tensor) -> Result<Tensor> {
             }
             rows_task(ops, unpack::unpack_row, j0, out)
         });
-    let ys = match m {
-        1 => out_t,
-        _ => (0..m)
-            .flat_map(|r| (0..n).map(move |j| (r, j)))
-            .map(|(r, j)| out_t[j * m + r])
-            .collect(),
-    };
-    Ok(Tensor::from_vec(ys, (m, n), &Device::Cpu)?)
 }
 
 #[cfg(test)]

@@ -14,6 +14,14 @@ const TYPES: [GgmlDType; 6] = [
     GgmlDType::Q6K,
 ];
 
+/// The types of the 32-element [`Block`] path (the k-quants have their own kernels).
+const BLOCK_TYPES: [GgmlDType; 4] = [
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q8_0,
+];
+
 fn randn(rng: &mut rand::rngs::StdRng, shape: (usize, usize)) -> Tensor {
     let data: Vec<f32> = (0..shape.0 * shape.1)
         .map(|_| rng.random_range(-2.0..2.0))
@@ -60,7 +68,7 @@ fn unpacked_rows(q: &QTensor) -> Vec<Vec<Block>> {
 #[test]
 fn unpack_matches_candle_dequantize() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
-    for dtype in TYPES {
+    for dtype in BLOCK_TYPES {
         let (q, dense) = weight(&mut rng, dtype);
         let k = dense.dim(1).unwrap();
         let dense: Vec<f32> = dense.flatten_all().unwrap().to_vec1().unwrap();
@@ -152,7 +160,7 @@ fn rows_do_not_depend_on_row_count() {
 #[test]
 fn simd_matches_scalar() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    for dtype in TYPES {
+    for dtype in BLOCK_TYPES {
         let (q, _) = weight(&mut rng, dtype);
         let xs: Vec<f32> = randn(&mut rng, (1, 512))
             .flatten_all()
@@ -200,7 +208,7 @@ fn simd_unpack_matches_scalar() {
         return;
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-    for dtype in TYPES {
+    for dtype in BLOCK_TYPES {
         let (q, _) = weight(&mut rng, dtype);
         let data = q.data().unwrap();
         let row_bytes = data.len() / 24;
@@ -239,7 +247,7 @@ fn simd_builds_agree_exactly() {
         return;
     };
     let mut rng = rand::rngs::StdRng::seed_from_u64(13);
-    for dtype in TYPES {
+    for dtype in BLOCK_TYPES {
         let (q, _) = weight(&mut rng, dtype);
         let xs: Vec<f32> = randn(&mut rng, (6, 512))
             .flatten_all()
@@ -272,6 +280,44 @@ fn simd_builds_agree_exactly() {
                     "{dtype:?} {isa} fused row {r}"
                 );
             }
+        }
+    }
+}
+
+/// The k-quant kernels: every SIMD build gives the same bits (exact integer sums, one float
+/// order), in a group of rows or alone, and the scalar build agrees up to FMA rounding.
+#[test]
+fn k_quant_builds_agree() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(15);
+    for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
+        let (q, _) = weight(&mut rng, dtype);
+        let xs = randn(&mut rng, (kquant::GROUP + 1, 512));
+        let bits = |isa: Isa| -> Vec<u32> {
+            let y = matmul(isa, &q, &xs).unwrap();
+            let y: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
+            y.into_iter().map(f32::to_bits).collect()
+        };
+        let scalar: Vec<f32> = bits(Isa::SCALAR).into_iter().map(f32::from_bits).collect();
+        let simd: Vec<Isa> = Isa::available()
+            .into_iter()
+            .filter(|&i| i != Isa::SCALAR)
+            .collect();
+        let Some(&first) = simd.first() else {
+            eprintln!("no AVX2 on this CPU: only the portable build runs here");
+            continue;
+        };
+        let want = bits(first);
+        for &isa in &simd {
+            assert_eq!(bits(isa), want, "{dtype:?} {isa} vs {first}");
+        }
+        // Q4_K's two terms (scales, mins) nearly cancel: compare against the outputs' size.
+        let size = scalar.iter().fold(1f32, |a, v| a.max(v.abs()));
+        for (i, (&s, &v)) in scalar.iter().zip(&want).enumerate() {
+            let v = f32::from_bits(v);
+            assert!(
+                (s - v).abs() <= 1e-5 * size,
+                "{dtype:?} output {i}: scalar {s} vs {first} {v}"
+            );
         }
     }
 }

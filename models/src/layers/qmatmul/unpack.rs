@@ -9,11 +9,10 @@
 //!  Q4_1  {f16 d, f16 m, u8 qs[16]}                 w = d*q + m          q in 0..15
 //!  Q5_0  {f16 d, u8 qh[4], u8 qs[16]}              w = d*(q - 16)       q in 0..31
 //!  Q8_0  {f16 d, i8 qs[32]}                        w = d*q
-//!  Q4_K  256 = 8 x 32 {f16 d, f16 dmin, u8 scales[12], u8 qs[128]}
-//!                                                  w = d*sc_j*q - dmin*m_j   (6-bit sc, m)
-//!  Q6_K  256 = 16 x 16 {u8 ql[128], u8 qh[64], i8 scales[16], f16 d}
-//!                                                  w = d*sc_j*(q - 32)  q in 0..63
 //! ```
+//!
+//! The k-quants (`Q4_K`, `Q6_K`) take another path, with integer sums across their 256-weight
+//! super-blocks: [`super::kquant`].
 
 use candle_core::quantized::GgmlDType;
 use half::f16;
@@ -52,26 +51,13 @@ impl Block {
 pub(super) fn supports(dtype: GgmlDType) -> bool {
     matches!(
         dtype,
-        GgmlDType::Q4_0
-            | GgmlDType::Q4_1
-            | GgmlDType::Q5_0
-            | GgmlDType::Q8_0
-            | GgmlDType::Q4K
-            | GgmlDType::Q6K
+        GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q8_0
     )
 }
 
 /// Whether blocks of `dtype` carry a non-zero `min`.
 pub(super) fn has_min(dtype: GgmlDType) -> bool {
-    matches!(dtype, GgmlDType::Q4_1 | GgmlDType::Q4K)
-}
-
-/// Elements per stored block of `dtype` (32, or 256 for the k-quants).
-pub(super) fn block_elems(dtype: GgmlDType) -> usize {
-    match dtype {
-        GgmlDType::Q4K | GgmlDType::Q6K => 256,
-        _ => QK,
-    }
+    dtype == GgmlDType::Q4_1
 }
 
 #[inline(always)]
@@ -84,16 +70,13 @@ fn f16_at(bytes: &[u8], at: usize) -> f32 {
 /// # Invariants
 /// `dtype` is [`supports`]-ed and `row.len()` matches `out.len()` (checked by the caller).
 pub(super) fn unpack_row(dtype: GgmlDType, row: &[u8], out: &mut [Block]) {
-    let per = block_elems(dtype) / QK;
-    let bytes = row.len() / (out.len() / per);
-    for (src, dst) in row.chunks_exact(bytes).zip(out.chunks_exact_mut(per)) {
+    let bytes = row.len() / out.len();
+    for (src, dst) in row.chunks_exact(bytes).zip(out) {
         match dtype {
-            GgmlDType::Q4_0 => q4_0(src, &mut dst[0]),
-            GgmlDType::Q4_1 => q4_1(src, &mut dst[0]),
-            GgmlDType::Q5_0 => q5_0(src, &mut dst[0]),
-            GgmlDType::Q8_0 => q8_0(src, &mut dst[0]),
-            GgmlDType::Q4K => q4k(src, dst),
-            _ => q6k(src, dst),
+            GgmlDType::Q4_0 => q4_0(src, dst),
+            GgmlDType::Q4_1 => q4_1(src, dst),
+            GgmlDType::Q5_0 => q5_0(src, dst),
+            _ => q8_0(src, dst),
         }
     }
 }
@@ -144,69 +127,12 @@ fn q8_0(src: &[u8], b: &mut Block) {
     b.finish(d, d, 0.0);
 }
 
-/// ggml's `get_scale_min_k4`: the 6-bit scale and min of sub-block `j` of a Q4_K block.
-pub(super) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
-    if j < 4 {
-        (q[j] & 63, q[j + 4] & 63)
-    } else {
-        (
-            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        )
-    }
-}
-
-/// Sub-block `2i` holds the low nibbles of `qs[32i..32i+32]`, sub-block `2i+1` the high ones.
-#[inline(always)]
-fn q4k(src: &[u8], out: &mut [Block]) {
-    let d = f16_at(src, 0);
-    let dmin = f16_at(src, 2);
-    let scales = &src[4..16];
-    let qs = &src[16..144];
-    for (i, pair) in out.chunks_exact_mut(2).enumerate() {
-        let q = &qs[32 * i..32 * i + 32];
-        let (lo, hi) = pair.split_at_mut(1);
-        for (l, &x) in q.iter().enumerate() {
-            lo[0].q[l] = (x & 0x0F) as i8;
-            hi[0].q[l] = (x >> 4) as i8;
-        }
-        let (sc, m) = scale_min_k4(2 * i, scales);
-        lo[0].finish(d * sc as f32, d * sc as f32, -dmin * m as f32);
-        let (sc, m) = scale_min_k4(2 * i + 1, scales);
-        hi[0].finish(d * sc as f32, d * sc as f32, -dmin * m as f32);
-    }
-}
-
-/// Each 128-element half: `ql[64]`, `qh[32]`, 8 scales; element `l + 32t` (t in 0..4) takes
-/// nibble `t / 2` of `ql[l + 32 (t % 2)]` and bits `2t..2t+2` of `qh[l]`.
-#[inline(always)]
-fn q6k(src: &[u8], out: &mut [Block]) {
-    let d = f16_at(src, 208);
-    for (half, blocks) in out.chunks_exact_mut(4).enumerate() {
-        let ql = &src[64 * half..64 * half + 64];
-        let qh = &src[128 + 32 * half..128 + 32 * half + 32];
-        let sc = &src[192 + 8 * half..192 + 8 * half + 8];
-        for (t, b) in blocks.iter_mut().enumerate() {
-            let ql = &ql[32 * (t % 2)..32 * (t % 2) + 32];
-            let shift = 4 * (t / 2);
-            for l in 0..QK {
-                let low = (ql[l] >> shift) & 0x0F;
-                let high = ((qh[l] >> (2 * t)) & 3) << 4;
-                b.q[l] = (low | high) as i8 - 32;
-            }
-            let lo = d * (sc[2 * t] as i8) as f32;
-            let hi = d * (sc[2 * t + 1] as i8) as f32;
-            b.finish(lo, hi, 0.0);
-        }
-    }
-}
-
 /// The same unpacking with AVX2 intrinsics, one block at a time in registers ([`x86::Kind`]):
 /// the buffered multi-row path stores the blocks, the decode kernels in `fused` dot them
 /// directly. Bit-identical to the portable build (tested).
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
-    use super::{scale_min_k4, Block, GgmlDType};
+    use super::{Block, GgmlDType};
     use std::arch::x86_64::*;
 
     /// Bytes of the weight stream requested ahead of the block being unpacked.
@@ -220,9 +146,7 @@ pub(super) mod x86 {
             GgmlDType::Q4_0 => unpack_kind::<Q4_0>(row, out),
             GgmlDType::Q4_1 => unpack_kind::<Q4_1>(row, out),
             GgmlDType::Q5_0 => unpack_kind::<Q5_0>(row, out),
-            GgmlDType::Q8_0 => unpack_kind::<Q8_0>(row, out),
-            GgmlDType::Q4K => unpack_kind::<Q4K>(row, out),
-            _ => unpack_kind::<Q6K>(row, out),
+            _ => unpack_kind::<Q8_0>(row, out),
         }
     }
 
@@ -394,70 +318,6 @@ pub(super) mod x86 {
             let p = p.add(34 * j);
             let d = f16(p);
             reg(_mm256_loadu_si256(p.add(2) as *const __m256i), d, d, 0.0)
-        }
-    }
-
-    /// `{f16 d, f16 dmin, u8 scales[12], u8 qs[128]}`: block `j` is the low (`j` even) or high
-    /// nibbles of `qs[32 (j / 2)..][..32]`.
-    pub(in super::super) struct Q4K;
-    impl Kind for Q4K {
-        const PER: usize = 8;
-        const BYTES: usize = 144;
-        const MIN: bool = true;
-        #[inline(always)]
-        unsafe fn get(p: *const u8, j: usize) -> Reg {
-            let (d, dmin) = (f16(p), f16(p.add(2)));
-            let x = _mm256_loadu_si256(p.add(16 + 32 * (j / 2)) as *const __m256i);
-            // Even blocks take the low nibbles, odd ones the high.
-            let x = if j & 1 == 0 {
-                x
-            } else {
-                _mm256_srli_epi16(x, 4)
-            };
-            let scales = std::slice::from_raw_parts(p.add(4), 12);
-            let (sc, m) = scale_min_k4(j, scales);
-            let s = d * sc as f32;
-            reg(
-                _mm256_and_si256(x, _mm256_set1_epi8(0x0F)),
-                s,
-                s,
-                -dmin * m as f32,
-            )
-        }
-    }
-
-    /// `{u8 ql[128], u8 qh[64], i8 scales[16], f16 d}`: block `4 half + t` takes nibble `t / 2` of
-    /// `ql[64 half + 32 (t % 2)..]` and bits `2t..2t+2` of `qh[32 half..]`, centred by -32.
-    pub(in super::super) struct Q6K;
-    impl Kind for Q6K {
-        const PER: usize = 8;
-        const BYTES: usize = 210;
-        const MIN: bool = false;
-        #[inline(always)]
-        unsafe fn get(p: *const u8, j: usize) -> Reg {
-            let (half, t) = (j / 4, j % 4);
-            let d = f16(p.add(208));
-            let m4 = _mm256_set1_epi8(0x0F);
-            let m2 = _mm256_set1_epi8(0x30);
-            let ql = _mm256_loadu_si256(p.add(64 * half + 32 * (t % 2)) as *const __m256i);
-            let low = if t < 2 {
-                _mm256_and_si256(ql, m4)
-            } else {
-                _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4)
-            };
-            let qh = _mm256_loadu_si256(p.add(128 + 32 * half) as *const __m256i);
-            // Bits 2t..2t+2 of qh moved to bits 4..6 (16-bit shifts; the mask drops spill-over).
-            let high = match t {
-                0 => _mm256_slli_epi16(qh, 4),
-                1 => _mm256_slli_epi16(qh, 2),
-                2 => qh,
-                _ => _mm256_srli_epi16(qh, 2),
-            };
-            let q = _mm256_or_si256(low, _mm256_and_si256(high, m2));
-            let sc = p.add(192 + 8 * half + 2 * t) as *const i8;
-            let lo = d * (*sc) as f32;
-            let hi = d * (*sc.add(1)) as f32;
-            reg(_mm256_sub_epi8(q, _mm256_set1_epi8(32)), lo, hi, 0.0)
         }
     }
 }
