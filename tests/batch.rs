@@ -739,3 +739,95 @@ fn an_open_larger_than_the_tap_region_is_split_never_dropped() {
         assert_eq!(g.token_ids, solo_plain(&loaded, &reqs[i]), "request {i}");
     }
 }
+
+/// A second chat turn that feeds a tap drafter adopts the first turn's cached blocks (their
+/// prefill is skipped) and its `Open` still carries the taps of every position before the
+/// pending one: those of the adopted blocks come from the host's tap cache, bit for bit what
+/// the first turn's forwards made.
+#[test]
+fn a_tap_drafters_second_turn_adopts_cached_blocks_with_their_taps() {
+    let loaded = smollm_f32();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let log = dir.path().join("taps.log");
+    let args = [
+        "--mode",
+        "taps-check",
+        "--rows",
+        "--out",
+        log.to_str().expect("utf-8"),
+    ];
+    let config = ClientConfig {
+        draft_deadline: Duration::from_secs(5),
+        ..ClientConfig::default()
+    };
+    let (proposer, client) = observed_drafter(&loaded, &args, config);
+    let slot = ProposerSlot::new(Some(proposer));
+    let counters = Arc::new(target_host::engine::Counters::default());
+    let mut core = Core::with_counters(
+        &loaded.model,
+        &loaded.tokenizer,
+        &slot,
+        slow_drafts(),
+        counters.clone(),
+    )
+    .expect("core");
+    let run = |core: &mut Core<'_>, req: GenerationRequest| {
+        let results: Results = Arc::new(Mutex::new(vec![None]));
+        let sink = Keep {
+            results: results.clone(),
+            i: 0,
+        };
+        core.admit(req, Box::new(sink)).expect("admitted");
+        while core.has_work() {
+            core.step().expect("step");
+        }
+        let out = results.lock().unwrap()[0].clone();
+        out.expect("reported").expect("generated")
+    };
+    let turn1: Vec<u32> = (0..70u32).map(|i| 100 + (i * 37) % 900).collect();
+    let spec = Speculation::On {
+        num_draft_tokens: 2,
+    };
+    let first = run(&mut core, request(1, &turn1, 8, spec));
+    assert_eq!(counters.snapshot().prefix_hit_tokens, 0);
+    let mut turn2 = turn1.clone();
+    turn2.extend(&first.token_ids);
+    turn2.extend([200, 201, 202]);
+    let req2 = request(2, &turn2, 8, spec);
+    let second = run(&mut core, req2.clone());
+    let hits = counters.snapshot().prefix_hit_tokens;
+    assert_eq!(hits, 64, "the first turn's two full blocks were adopted");
+    drop(core);
+    assert!(
+        client.lock().unwrap().barrier(),
+        "the drafter handled every message"
+    );
+    let by = tap_log(&std::fs::read_to_string(&log).expect("the drafter's log"));
+    every_position_once(&by["1"], told(&turn1, &first), "turn 1");
+    let lines = &by["2"];
+    assert_eq!(
+        every_position_once(lines, told(&turn2, &second), "turn 2"),
+        1
+    );
+    assert_eq!(
+        lines[0].rows,
+        turn2.len() - 1,
+        "one Open with the whole prompt"
+    );
+    // The adopted positions' taps equal the first turn's, row by row.
+    let rows_of = |lines: &[TapLine]| {
+        let mut m = std::collections::HashMap::new();
+        for l in lines {
+            let (pos, sums) = l.at.as_ref().expect("taps");
+            for (i, s) in sums.iter().enumerate() {
+                m.insert(pos + i, *s);
+            }
+        }
+        m
+    };
+    let (a, b) = (rows_of(&by["1"]), rows_of(lines));
+    for p in 0..hits as usize {
+        assert_eq!(a[&p], b[&p], "position {p}");
+    }
+    assert_eq!(second.token_ids, solo_plain(&loaded, &req2));
+}

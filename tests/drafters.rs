@@ -205,15 +205,19 @@ fn sigkilled_drafter_is_respawned_and_sessions_reopened() {
     wait_ready(&mut c);
     assert_ne!(c.pid(), Some(pid));
     assert_eq!(c.stats().restarts, 1);
-    // The new process got the whole context: "… 22 23 24" + "20 21" → "22 23".
-    assert_eq!(
-        {
-            c.advance(1, &[20, 21], None);
-            draft(&mut c, 1, 2)
-        }
-        .tokens,
-        vec![22, 23]
+    assert_eq!(c.incarnation(), 1, "a new life: its sessions are forgotten");
+    assert!(
+        draft(&mut c, 1, 2).tokens.is_empty(),
+        "not open on the new process"
     );
+    // The engine opens it again with the whole context: "… 22 23 24 20 21" → "22 23".
+    c.open(
+        1,
+        &[20, 21, 22, 23, 24, 20, 21, 22, 23, 24, 20, 21],
+        &greedy(),
+        None,
+    );
+    assert_eq!(draft(&mut c, 1, 2).tokens, vec![22, 23]);
 }
 
 #[test]
@@ -293,6 +297,7 @@ fn drafter_exiting_mid_request_is_respawned() {
     );
     assert_eq!(c.state(), DrafterState::Backoff);
     wait_ready(&mut c);
+    c.open(1, &[1, 2], &greedy(), None);
     assert_eq!(draft(&mut c, 1, 3).tokens.len(), 3);
 }
 

@@ -103,7 +103,21 @@ pub struct SeqId {
 pub type BlockId = u32;
 
 /// The key of a full block: a hash of the whole prefix up to and including it.
-type BlockKey = [u8; 16];
+pub type BlockKey = [u8; 16];
+
+/// The keys of the full blocks of `tokens` (a prompt), in order: what [`KvPool::adopt_prefix`]
+/// would look up. The engine keys its cache of drafter taps by them.
+pub fn chain_keys(tokens: &[u32]) -> Vec<BlockKey> {
+    let mut parent = None;
+    tokens
+        .chunks_exact(BLOCK_SIZE)
+        .map(|chunk| {
+            let key = block_key(parent.as_ref(), chunk);
+            parent = Some(key);
+            key
+        })
+        .collect()
+}
 
 /// Usage counters of a pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -289,6 +303,15 @@ impl KvPool {
     /// [`Error::InvalidRequest`] for an unknown sequence.
     pub fn tokens(&self, seq: SeqId) -> Result<&[u32]> {
         Ok(&self.seq(seq)?.tokens)
+    }
+
+    /// The prefix keys of `seq`'s leading full blocks entered so far (by
+    /// [`KvPool::adopt_prefix`] and [`KvPool::index_full_blocks`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] for an unknown sequence.
+    pub fn block_keys(&self, seq: SeqId) -> Result<&[BlockKey]> {
+        Ok(&self.seq(seq)?.keys)
     }
 
     /// The block table of `seq`: position `p` lives at offset `p % BLOCK_SIZE` of block

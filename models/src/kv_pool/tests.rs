@@ -211,3 +211,29 @@ fn full_pool_errors_evicts_lru_and_leaves_sequences_intact() {
     assert!(KvPool::new(layout(), 0).is_err());
     assert!(KvPool::new(KvLayout { slots: vec![] }, 4).is_err());
 }
+
+#[test]
+fn chain_keys_are_the_keys_a_sequence_enters_and_adopts() {
+    let mut pool = KvPool::new(layout(), 16).unwrap();
+    let a = pool.create();
+    let t = ids(2 * B + 5, 21);
+    feed(&mut pool, a, &t);
+    let keys = chain_keys(&t);
+    assert_eq!(keys.len(), 2, "full blocks only");
+    assert_eq!(pool.block_keys(a).unwrap(), &keys[..]);
+    assert_eq!(
+        chain_keys(&t[..B]),
+        keys[..1],
+        "a key names its whole prefix"
+    );
+    let mut u = t.clone();
+    u[0] += 1;
+    assert_ne!(
+        chain_keys(&u)[1],
+        keys[1],
+        "a changed first block changes every key after it"
+    );
+    let b = pool.create();
+    assert_eq!(pool.adopt_prefix(b, &t).unwrap(), 2 * B);
+    assert_eq!(pool.block_keys(b).unwrap(), &keys[..]);
+}

@@ -18,11 +18,11 @@
 //!   two-model) is re-opened with the ids of the whole context and rebuilds its own state from
 //!   them — the two-model drafter's LRU of draft-model caches is that drafter's side of the
 //!   prefix cache. A tap drafter needs every position's taps, which the host has at the moment
-//!   it commits them and keeps per session (above) for re-syncs; a sequence that feeds a tap
-//!   drafter therefore prefills its whole prompt rather than adopting cached blocks whose taps
-//!   it never saw (storing taps with the prefix blocks is the next step, not done yet). A
-//!   `Checkpoint`/`Resume` protocol would make every drafter implement storage and eviction
-//!   for a saving only where the drafter's own state is costly to rebuild.
+//!   it commits them and keeps per session (above) for re-syncs, and per cached block in
+//!   [`super::tap_cache`], so that a sequence feeding a tap drafter adopts cached blocks too
+//!   and its `Open` carries their taps. A `Checkpoint`/`Resume` protocol would make every
+//!   drafter implement storage and eviction for a saving only where the drafter's own state
+//!   is costly to rebuild.
 
 use std::collections::HashMap;
 
@@ -261,6 +261,11 @@ impl Drafting {
             // Taps missing or out of order (a swap, a budget overflow): re-sync re-forwards.
             _ => book.kept = None,
         }
+    }
+
+    /// The taps kept of `session`'s context (positions `0..len-1`), when kept.
+    pub fn kept(&self, session: SessionId) -> Option<&TapRows> {
+        self.books.get(&session)?.kept.as_ref()
     }
 
     /// Ends `session`.

@@ -12,7 +12,8 @@
 //! | [`step`] | [`Core`]: plan, batched draft, one forward, per-sequence verify and commit |
 //! | [`target`] | the sequences' K/V and the forward over their rows |
 //! | [`controller`] | per-sequence k from a profiled cost table and acceptance |
-//! | [`drafting`] | what each drafter session is told and given; re-sync after a swap |
+//! | [`drafting`] | what each drafter session is told and given; re-sync after a swap or respawn |
+//! | [`tap_cache`] | drafter taps of prefix-cached blocks, so tap sessions adopt them too |
 //!
 //! Requests arrive from any thread (the HTTP handlers) through [`Engine::submit`], which
 //! refuses at once (HTTP 429 with a retry delay) when the bounded queue is full, and stream
@@ -24,6 +25,7 @@ pub mod drafting;
 pub mod scheduler;
 pub mod sequence;
 pub mod step;
+pub mod tap_cache;
 pub mod target;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -67,6 +69,10 @@ pub struct EngineConfig {
     /// its drafts).
     #[arg(long, default_value_t = 4.0)]
     pub draft_deadline_steps: f64,
+    /// Host memory for the drafter taps of prefix-cached blocks, in MiB (0: sequences that
+    /// feed a tap drafter prefill their whole prompt instead of adopting cached blocks).
+    #[arg(long, default_value_t = 256)]
+    pub tap_cache_mib: usize,
     /// The longest draft deadline (set from `--draft-deadline-ms`).
     #[arg(skip = Duration::from_millis(500))]
     pub draft_deadline_cap: Duration,
@@ -83,6 +89,7 @@ impl Default for EngineConfig {
             max_batch_tokens: 256,
             kv_pool_tokens: 0,
             draft_deadline_steps: 4.0,
+            tap_cache_mib: 256,
             draft_deadline_cap: Duration::from_millis(500),
             profile: true,
         }

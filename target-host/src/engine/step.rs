@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{Tensor, D};
+use specula_models::kv_pool::{chain_keys, BLOCK_SIZE};
 use specula_models::tokenizer::Tokenizer;
 use specula_models::Model;
 use tracing::warn;
@@ -29,6 +30,7 @@ use super::controller::{Acceptance, Candidate, Controller, CostTable};
 use super::drafting::Drafting;
 use super::scheduler::{Refusal, Scheduler};
 use super::sequence::{Sequence, Sink};
+use super::tap_cache::TapCache;
 use super::target::{self, Rows, RowsOut, Target};
 use super::{Counters, EngineConfig};
 use crate::generation::{FinishReason, GenerationRequest, Speculation};
@@ -71,6 +73,8 @@ pub struct Core<'a> {
     live: Vec<Live<'a>>,
     controller: Controller,
     drafting: Drafting,
+    /// Taps of prefix-cached blocks, so tap sessions adopt cached blocks too.
+    tap_cache: TapCache,
     counters: Arc<Counters>,
 }
 
@@ -118,6 +122,7 @@ impl<'a> Core<'a> {
             live: Vec::new(),
             controller: Controller::new(CostTable::new(points)),
             drafting: Drafting::default(),
+            tap_cache: TapCache::new(config.tap_cache_mib << 20),
             counters,
             config,
         })
@@ -167,6 +172,7 @@ impl<'a> Core<'a> {
         if swapped {
             self.controller.reset_drafter();
         }
+        self.tap_cache.follow(self.drafting.wants());
         let mut parts = self.plan(proposer);
         self.resync_taps(&parts)?;
         let draft_ms = self.draft(&mut parts);
@@ -183,13 +189,28 @@ impl<'a> Core<'a> {
             seq.report(None);
         }
         for (mut seq, need) in self.sched.admit() {
-            // A prefix-cache hit skips the shared prefill, but its positions' taps were never
-            // collected for this sequence: with a drafter that wants taps, prefill it all.
+            // A prefix-cache hit skips the shared prefill, and with it the taps of those
+            // positions: a sequence feeding a tap drafter adopts only the cached blocks whose
+            // taps the host kept (see `tap_cache`), and its `Open` carries them.
             let taps_needed =
                 seq.req.speculation != Speculation::Off && !self.drafting.wants().is_empty();
             let prompt = &seq.context[..seq.context.len() - 1];
-            let reuse = if taps_needed { &[][..] } else { prompt };
-            match self.target.create(seq.session(), reuse) {
+            let (reuse, keys) = match taps_needed {
+                false => (prompt, Vec::new()),
+                true => {
+                    let keys = chain_keys(prompt);
+                    let n = self.tap_cache.leading(&keys);
+                    (&prompt[..n * BLOCK_SIZE], keys)
+                }
+            };
+            let created = self.target.create(seq.session(), reuse);
+            let mut prompt_taps = None;
+            if let Ok(hit) = created {
+                if taps_needed && hit > 0 {
+                    prompt_taps = self.tap_cache.prefix(&keys[..hit / BLOCK_SIZE]);
+                }
+            }
+            match created {
                 Ok(hit) => seq.computed = hit,
                 Err(e) => {
                     self.target.release(seq.session());
@@ -202,7 +223,7 @@ impl<'a> Core<'a> {
                 seq,
                 need,
                 acceptance: Acceptance::default(),
-                prompt_taps: None,
+                prompt_taps,
                 error: None,
             });
         }
@@ -462,9 +483,10 @@ impl<'a> Core<'a> {
                 live.seq.computed += chunk;
                 self.target.index(session);
                 if let Some(t) = &out.taps {
-                    live.prompt_taps
-                        .get_or_insert_with(TapRows::default)
-                        .extend(t);
+                    let taps = live.prompt_taps.get_or_insert_with(TapRows::default);
+                    taps.extend(t);
+                    self.tap_cache
+                        .insert(&self.target.block_keys(session), taps);
                 }
                 if out.logits.dim(0)? > 0 {
                     // The chunk ran the last prompt id: its row samples the first token.
@@ -570,6 +592,12 @@ impl<'a> Core<'a> {
             }
             let live = self.live.remove(i);
             let session = live.seq.session();
+            // Its full blocks stay in the prefix cache: so do their taps.
+            self.target.index(session);
+            if let Some(taps) = self.drafting.kept(session) {
+                self.tap_cache
+                    .insert(&self.target.block_keys(session), taps);
+            }
             {
                 let mut cur = self.slot.lock();
                 self.drafting.close(&mut cur, session);

@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use candle_core::Tensor;
-use specula_models::kv_pool::{PoolStats, BLOCK_SIZE};
+use specula_models::kv_pool::{BlockKey, PoolStats, BLOCK_SIZE};
 use specula_models::{Batch, ForwardRequest, KvPool, Model, Rows as Select, SeqId, SeqRows, TapId};
 
 use crate::proposer::{SessionId, TapRows, Wants};
@@ -102,6 +102,14 @@ impl<'m> Target<'m> {
         if let Some(&seq) = self.seqs.get(&session) {
             let _ = self.pool.index_full_blocks(seq);
         }
+    }
+
+    /// The prefix keys of `session`'s full blocks entered into the index so far.
+    pub fn block_keys(&self, session: SessionId) -> Vec<BlockKey> {
+        self.seqs
+            .get(&session)
+            .and_then(|&seq| self.pool.block_keys(seq).ok())
+            .map_or_else(Vec::new, <[BlockKey]>::to_vec)
     }
 
     /// The pool's counters (blocks used and cached, prefix hits).
