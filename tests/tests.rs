@@ -9,6 +9,7 @@ mod drafters;
 mod generate;
 mod golden;
 mod law;
+mod mtp;
 mod server;
 mod spec;
 mod tokenizer;
