@@ -187,14 +187,19 @@ impl Loaded {
     }
 }
 
-/// The target's sampling parameters, as a sampler the drafts are drawn with.
+/// Mixed into the request seed: the host's sampler is seeded with the same seed, and drafts
+/// drawn from the same stream as the host's accept/reject uniforms would be correlated with
+/// them (rejection sampling needs them independent).
+const DRAFT_SEED_SALT: u64 = 0x6d74_705f_6472_6166;
+
+/// The target's sampling parameters, as a sampler the drafts are drawn with (its own stream).
 fn sampler(spec: &SamplingSpec, session: SessionId) -> Sampler {
     Sampler::new(SamplingParams {
         temperature: spec.temperature,
         top_p: spec.top_p,
         top_k: spec.top_k.map(|k| k as usize),
         min_p: spec.min_p,
-        seed: Some(spec.seed.unwrap_or(session)),
+        seed: Some(spec.seed.unwrap_or(session) ^ DRAFT_SEED_SALT),
         ..SamplingParams::default()
     })
 }
@@ -269,6 +274,7 @@ impl Drafter for MtpDrafter {
     }
 
     fn commit(&mut self, session: SessionId, args: CommitArgs<'_>) {
+        debug!(session, drafted = args.drafted, accepted = args.accepted, "commit");
         self.accept(session, args.ids, args.taps.as_ref());
     }
 

@@ -19,6 +19,9 @@ use specula_models::layers::{Embedding, Linear};
 use crate::model::{Cache, Mtp, Step};
 use crate::{fwd, Error};
 
+/// Rows per forward when a window is long (a prompt).
+pub const CHUNK: usize = 128;
+
 /// The target's parts an MTP step needs, with the module.
 pub struct Core {
     /// The MTP module.
@@ -107,15 +110,22 @@ impl Session {
         result.map(|_| ())
     }
 
-    /// Runs the window `(hidden, ids)` at the pending position; returns its last row's step.
+    /// Runs the window `(hidden, ids)` at the pending position, in chunks of [`CHUNK`] rows
+    /// (a chunk's scores are `rows × cache`: a whole prompt at once would be quadratic in
+    /// memory); returns its last row's step.
     fn window(&mut self, core: &Core, hidden: &Tensor, ids: &[u32]) -> Result<Step, Error> {
-        let n = ids.len();
-        let emb = core.embedding.forward(ids).map_err(fwd)?;
-        let step = core.mtp.forward(&mut self.cache, hidden, &emb, self.pos)?;
-        Ok(Step {
-            pre: step.pre.narrow(0, n - 1, 1).map_err(fwd)?,
-            post: step.post.narrow(0, n - 1, 1).map_err(fwd)?,
-        })
+        let mut last = None;
+        for start in (0..ids.len()).step_by(CHUNK) {
+            let n = CHUNK.min(ids.len() - start);
+            let emb = core.embedding.forward(&ids[start..start + n]).map_err(fwd)?;
+            let h = hidden.narrow(0, start, n).map_err(fwd)?;
+            let step = core.mtp.forward(&mut self.cache, &h, &emb, self.pos + start)?;
+            last = Some(Step {
+                pre: step.pre.narrow(0, n - 1, 1).map_err(fwd)?,
+                post: step.post.narrow(0, n - 1, 1).map_err(fwd)?,
+            });
+        }
+        Ok(last.expect("invariant: windows are not empty"))
     }
 
     /// Ids committed without hiddens (a 1.0 host's `new_tokens`).

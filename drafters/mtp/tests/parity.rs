@@ -33,7 +33,7 @@ fn load_with(case: &str, edit: impl FnOnce(&mut MtpConfig)) -> (Core, MtpConfig)
     let (embedding, lm_head) = w
         .embedding_and_head((config.vocab_size, config.hidden_size), false)
         .expect("the target's embedding and lm_head");
-    let mtp = Mtp::load(config.clone(), &mut w, 64).expect("module");
+    let mtp = Mtp::load(config.clone(), &mut w, 512).expect("module");
     (
         Core {
             mtp,
@@ -79,7 +79,7 @@ fn replay_with(core: &Core, case: &str, k: usize) -> Result<(), String> {
         let h = candle_core::Tensor::from_vec(h, (ids.len(), hidden), &Device::Cpu).unwrap();
         session.extend(core, Some(&h), &ids).unwrap();
         let mut pick = |l: &candle_core::Tensor| Ok(argmax_rows(l)?[0]);
-        let drafts = session.draft(core, k, 64, &mut pick).unwrap();
+        let drafts = session.draft(core, k, 512, &mut pick).unwrap();
         let want: Vec<u32> = round["drafts"]
             .as_array()
             .unwrap()
@@ -150,7 +150,7 @@ fn mimo_layout_matches_vllm_and_drafts_one() {
         .unwrap();
     s.extend(&core, Some(&h), &[3, 4]).unwrap();
     let mut pick = |l: &candle_core::Tensor| Ok(argmax_rows(l)?[0]);
-    assert_eq!(s.draft(&core, 3, 64, &mut pick).unwrap().tokens.len(), 1);
+    assert_eq!(s.draft(&core, 3, 512, &mut pick).unwrap().tokens.len(), 1);
 }
 
 /// The fixtures tell the conventions apart: flipping DeepSeek's recycle rule, its position-0
@@ -165,4 +165,32 @@ fn parity_fails_for_the_wrong_convention() {
     flip("deepseek_llama", 1, |c| c.mask_position_zero = false);
     flip("mimo", 1, |c| c.mask_position_zero = false);
     flip("qwen3_next", 1, |c| c.zero_centred = false);
+}
+
+/// A window longer than a chunk (a prompt) gives what the same rows give window by window.
+#[test]
+fn a_long_window_equals_the_same_rows_in_small_windows() {
+    let (core, c) = load("deepseek_qwen3");
+    let n = mtp::state::CHUNK * 2 + 37;
+    let h: Vec<f32> = (0..n * c.hidden_size)
+        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    let h = candle_core::Tensor::from_vec(h, (n, c.hidden_size), &Device::Cpu).unwrap();
+    let ids: Vec<u32> = (0..n).map(|i| (i * 31 % c.vocab_size) as u32).collect();
+    let mut pick = |l: &candle_core::Tensor| Ok(argmax_rows(l)?[0]);
+    let mut whole = Session::new();
+    whole.extend(&core, Some(&h), &ids).unwrap();
+    let a = whole.draft(&core, 3, 512, &mut pick).unwrap();
+    let mut pieces = Session::new();
+    for start in (0..n).step_by(9) {
+        let len = 9.min(n - start);
+        let rows = h.narrow(0, start, len).unwrap();
+        pieces.extend(&core, Some(&rows), &ids[start..start + len]).unwrap();
+    }
+    let b = pieces.draft(&core, 3, 512, &mut pick).unwrap();
+    assert_eq!(whole.rows(), (n, 0));
+    assert_eq!(a.tokens, b.tokens);
+    for (x, y) in a.logits.iter().flatten().zip(b.logits.iter().flatten()) {
+        assert!((x - y).abs() < 1e-4, "{x} vs {y}");
+    }
 }
