@@ -3,6 +3,7 @@
 
 use specula_models::sampling::SamplingParams;
 use specula_tests::proposers::{BadProposer, ScriptProposer};
+use specula_tests::stats::{chi_square, critical};
 use specula_tests::tiny::tiny_loaded;
 use target_host::engine::EngineConfig;
 use target_host::generation::{generate, Flow, Generation, GenerationRequest, Speculation};
@@ -113,36 +114,6 @@ fn max_tokens_and_eos_inside_an_accepted_run() {
         assert_eq!(oracle.token_ids, plain.token_ids, "max_tokens {max}");
         assert_eq!(oracle.finish_reason, plain.finish_reason);
     }
-}
-
-/// Two-sample chi-square statistic over the bins of `a` and `b` (equal sample sizes), merging
-/// bins whose pooled count is below 10; returns (statistic, degrees of freedom).
-fn chi_square(a: &[usize], b: &[usize]) -> (f64, usize) {
-    let (mut stat, mut bins) = (0.0, 0usize);
-    let (mut ra, mut rb) = (0usize, 0usize);
-    for (&x, &y) in a.iter().zip(b) {
-        if x + y >= 10 {
-            let d = x as f64 - y as f64;
-            stat += d * d / (x + y) as f64;
-            bins += 1;
-        } else {
-            ra += x;
-            rb += y;
-        }
-    }
-    if ra + rb > 0 {
-        let d = ra as f64 - rb as f64;
-        stat += d * d / (ra + rb) as f64;
-        bins += 1;
-    }
-    (stat, bins.saturating_sub(1))
-}
-
-/// Chi-square critical value at p = 0.001 (Wilson–Hilferty approximation).
-fn critical(df: usize) -> f64 {
-    let k = df as f64;
-    let z = 3.090; // one-sided normal quantile at 0.999
-    k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3)
 }
 
 /// At temperature 1 the tokens committed through rejection sampling have the target's

@@ -1,7 +1,8 @@
 //! Helpers shared by the end-to-end tests: locating the workspace, fetching real models, finding
-//! the built binaries, tiny models, and in-process proposers a test controls.
+//! the built binaries, tiny models, in-process proposers a test controls, and the chi-square test.
 
 pub mod proposers;
+pub mod stats;
 pub mod tiny;
 
 use std::path::{Path, PathBuf};
