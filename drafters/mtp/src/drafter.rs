@@ -274,7 +274,12 @@ impl Drafter for MtpDrafter {
     }
 
     fn commit(&mut self, session: SessionId, args: CommitArgs<'_>) {
-        debug!(session, drafted = args.drafted, accepted = args.accepted, "commit");
+        debug!(
+            session,
+            drafted = args.drafted,
+            accepted = args.accepted,
+            "commit"
+        );
         self.accept(session, args.ids, args.taps.as_ref());
     }
 

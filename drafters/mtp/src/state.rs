@@ -117,9 +117,14 @@ impl Session {
         let mut last = None;
         for start in (0..ids.len()).step_by(CHUNK) {
             let n = CHUNK.min(ids.len() - start);
-            let emb = core.embedding.forward(&ids[start..start + n]).map_err(fwd)?;
+            let emb = core
+                .embedding
+                .forward(&ids[start..start + n])
+                .map_err(fwd)?;
             let h = hidden.narrow(0, start, n).map_err(fwd)?;
-            let step = core.mtp.forward(&mut self.cache, &h, &emb, self.pos + start)?;
+            let step = core
+                .mtp
+                .forward(&mut self.cache, &h, &emb, self.pos + start)?;
             last = Some(Step {
                 pre: step.pre.narrow(0, n - 1, 1).map_err(fwd)?,
                 post: step.post.narrow(0, n - 1, 1).map_err(fwd)?,

@@ -185,7 +185,9 @@ fn a_long_window_equals_the_same_rows_in_small_windows() {
     for start in (0..n).step_by(9) {
         let len = 9.min(n - start);
         let rows = h.narrow(0, start, len).unwrap();
-        pieces.extend(&core, Some(&rows), &ids[start..start + len]).unwrap();
+        pieces
+            .extend(&core, Some(&rows), &ids[start..start + len])
+            .unwrap();
     }
     let b = pieces.draft(&core, 3, 512, &mut pick).unwrap();
     assert_eq!(whole.rows(), (n, 0));
