@@ -116,7 +116,7 @@ fn tiny_target_with_mtp(arch: &str, layout: &str, seed: u64) -> (tempfile::TempD
     }
     let (h, hd, inter) = (c.hidden_size, c.head_dim(), c.intermediate_size);
     let (q, kv) = (c.num_attention_heads * hd, c.kv_heads() * hd);
-    let mut rng = StdRng::seed_from_u64(seed ^ 0x4d54_50);
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x004d_5450);
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
     let mut put = |name: String, dims: &[usize], centre: f32| {
         let n: usize = dims.iter().product();

@@ -28,7 +28,6 @@ pub fn load(cfg: &ModelConfig, weights: &mut dyn WeightSource, from: Checkpoint)
 
 #[cfg(test)]
 mod tests {
-    use crate::arch::Architecture;
     use crate::config::ModelConfig;
     use crate::testing::TinyModel;
 
