@@ -11,6 +11,7 @@ mod generate;
 mod golden;
 mod grammar;
 mod law;
+mod mtp;
 mod server;
 mod spec;
 mod tokenizer;

@@ -590,7 +590,8 @@ impl ModelConfig {
             }
         }
         match cfg.model_type.as_str() {
-            "qwen2" => cfg.attention_bias = true,
+            // MiMo's blocks are Qwen2's (its `mtp_layers` are the `mtp` drafter's).
+            "qwen2" | "mimo" => cfg.attention_bias = true,
             "qwen3" => cfg.qk_norm = true,
             _ => {}
         }

@@ -10,10 +10,12 @@
 //! - [`llama`]: llama, mistral, qwen2 (q/k/v biases), qwen3 (q/k norms), as switches.
 //! - [`gemma3`]: Gemma 3 text (sliding/global layers, sandwich norms, `(1 + w)` norms).
 //! - [`gemma4`]: Gemma 4 text (KV sharing, per-layer embeddings, proportional RoPE).
+//! - [`mimo`]: Xiaomi MiMo (Qwen2 blocks; its MTP layers are the `mtp` drafter's).
 
 pub mod gemma3;
 pub mod gemma4;
 pub mod llama;
+pub mod mimo;
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -83,7 +85,7 @@ pub enum Checkpoint {
 }
 
 /// Names accepted by [`load`], for error messages.
-pub const SUPPORTED: &str = "llama, mistral, qwen2, qwen3, gemma3, gemma3_text, gemma4_text";
+pub const SUPPORTED: &str = "llama, mistral, qwen2, qwen3, mimo, gemma3, gemma3_text, gemma4_text";
 
 /// Whether [`load`] knows the architecture named by GGUF `general.architecture` or HF
 /// `model_type`, and its canonical name.
@@ -94,6 +96,7 @@ pub fn canonical(name: &str) -> Result<&'static str> {
     match name {
         "gemma3" | "gemma3_text" => Ok("gemma3"),
         "gemma4" | "gemma4_text" => Ok("gemma4"),
+        "mimo" => Ok("mimo"),
         _ => match llama::Switches::of(name) {
             Some(s) => Ok(s.name),
             None => Err(unsupported(name)),
@@ -119,6 +122,7 @@ pub fn load(
         }
         "gemma3" | "gemma3_text" => Ok(Arc::new(gemma3::Gemma3::load(cfg, weights, from)?)),
         "gemma4" | "gemma4_text" => Ok(Arc::new(gemma4::Gemma4::load(cfg, weights, from)?)),
+        "mimo" => Ok(Arc::new(mimo::load(cfg, weights, from)?)),
         other => Err(unsupported(other)),
     }
 }

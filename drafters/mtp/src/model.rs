@@ -1,0 +1,354 @@
+//! One MTP module's forward: fuse, one causal decoder block with its own KV cache, out norm,
+//! head. A port of vLLM's `DeepSeekMultiTokenPredictorLayer.forward` (`deepseek_mtp.py`),
+//! `Qwen3NextMultiTokenPredictor.forward` (`qwen3_next_mtp.py`) and
+//! `MiMoMultiTokenPredictorLayer.forward` (`mimo_mtp.py`), with the target's dense block.
+//!
+//! ```text
+//! rows i = 0..n of a window at positions pos..pos+n: (h_i, e_i = embed(t_{pos+i+1}))
+//!   e_0 := 0 when pos = 0 and the layout masks position 0 (DeepSeek, MiMo)
+//!   x   = proj(cat[token_norm(e), hidden_norm(h)])          MiMo: cat[hidden_norm(h), token_norm(e)]
+//!   x  += o_proj(attn(input_layernorm(x)))                   causal over [cache; window], RoPE at pos+i
+//!   x  += mlp(post_attention_layernorm(x))                    K (after RoPE) and V rows enter the cache
+//!   pre = x,  post = out_norm(x),  logits = head(post)        row i predicts t_{pos+i+2}
+//! ```
+//!
+//! Which of `pre` / `post` a deeper step feeds back is [`crate::Recycle`].
+
+use candle_core::{Device, Tensor, D};
+use specula_models::layers::{Linear, Mlp, RmsNorm, Rope, RopeStyle};
+use specula_models::weights::{Bias, Weights};
+
+use crate::config::{MtpConfig, GATED};
+use crate::{fwd, Error, Layout, Recycle};
+
+/// The dense decoder block (HF `LlamaDecoderLayer` / `Qwen2DecoderLayer` / `Qwen3DecoderLayer`).
+struct Block {
+    input_layernorm: RmsNorm,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+/// A loaded MTP module.
+pub struct Mtp {
+    config: MtpConfig,
+    token_norm: RmsNorm,
+    hidden_norm: RmsNorm,
+    proj: Linear,
+    block: Block,
+    out_norm: RmsNorm,
+    head: Option<Linear>,
+    rope: Rope,
+}
+
+/// One session's MTP KV cache: K (after RoPE) and V of every row it holds, `[rows][kv_heads][d]`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Cache {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    rows: usize,
+}
+
+impl Cache {
+    /// Rows held.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Drops every row from `rows` on (the drafted rows of a round).
+    pub fn truncate(&mut self, rows: usize, width: usize) {
+        if rows < self.rows {
+            self.k.truncate(rows * width);
+            self.v.truncate(rows * width);
+            self.rows = rows;
+        }
+    }
+}
+
+/// A window's outputs, `[n, hidden]` each.
+#[derive(Debug, Clone)]
+pub struct Step {
+    /// The block's output before the out norm.
+    pub pre: Tensor,
+    /// After the out norm (what the head reads).
+    pub post: Tensor,
+}
+
+impl Mtp {
+    /// Loads the module `config` names from `weights` (dense f32); RoPE tables cover
+    /// `max_pos` positions (half-split: HF safetensors layout).
+    ///
+    /// # Errors
+    /// [`Error::Weights`] for a missing or misshapen tensor, a gated-attention q_proj.
+    pub fn load(config: MtpConfig, weights: &mut Weights, max_pos: usize) -> Result<Self, Error> {
+        let c = &config;
+        let path = weights.path().to_path_buf();
+        let bad = |e: specula_models::Error| Error::Weights {
+            path: path.clone(),
+            reason: e.to_string(),
+        };
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (q_rows, kv_rows) = (c.num_heads * hd, c.num_kv_heads * hd);
+        let zero_centred = c.zero_centred;
+        let eps = c.rms_norm_eps;
+        let norm = |w: &mut Weights, name: &str, dim: usize| -> Result<RmsNorm, Error> {
+            let t = w.vector(&format!("{name}.weight")).map_err(bad)?;
+            if t.dims1().map_err(fwd)? != dim {
+                return Err(Error::Weights {
+                    path: w.path().to_path_buf(),
+                    reason: format!("{name}.weight has {:?} values, expected {dim}", t.dims()),
+                });
+            }
+            match zero_centred {
+                true => RmsNorm::plus_one(t, eps),
+                false => RmsNorm::new(t, eps),
+            }
+            .map_err(bad)
+        };
+        let n = &c.names;
+        let b = &n.block;
+        let qkv_bias = match c.block.qkv_bias {
+            true => Bias::Required,
+            false => Bias::IfPresent,
+        };
+        let q_name = format!("{b}self_attn.q_proj");
+        let q_proj = match weights.linear(&q_name, (q_rows, h), qkv_bias) {
+            Ok(l) => l,
+            Err(e) => {
+                return Err(match weights.linear(&q_name, (2 * q_rows, h), qkv_bias) {
+                    Ok(_) => Error::Weights {
+                        path: path.clone(),
+                        reason: GATED.to_string(),
+                    },
+                    Err(_) => bad(e),
+                })
+            }
+        };
+        let mut lin = |name: &str, dims, bias| weights.linear(&format!("{b}{name}"), dims, bias);
+        let k_proj = lin("self_attn.k_proj", (kv_rows, h), qkv_bias).map_err(bad)?;
+        let v_proj = lin("self_attn.v_proj", (kv_rows, h), qkv_bias).map_err(bad)?;
+        let o_proj = lin("self_attn.o_proj", (h, q_rows), Bias::IfPresent).map_err(bad)?;
+        let i = c.intermediate_size;
+        let mlp = Mlp {
+            gate_proj: lin("mlp.gate_proj", (i, h), Bias::No).map_err(bad)?,
+            up_proj: lin("mlp.up_proj", (i, h), Bias::No).map_err(bad)?,
+            down_proj: lin("mlp.down_proj", (h, i), Bias::No).map_err(bad)?,
+        };
+        let (q_norm, k_norm) = match c.block.qk_norm {
+            true => (
+                Some(norm(weights, &format!("{b}self_attn.q_norm"), hd)?),
+                Some(norm(weights, &format!("{b}self_attn.k_norm"), hd)?),
+            ),
+            false => (None, None),
+        };
+        let block = Block {
+            input_layernorm: norm(weights, &format!("{b}input_layernorm"), h)?,
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            q_norm,
+            k_norm,
+            post_attention_layernorm: norm(weights, &format!("{b}post_attention_layernorm"), h)?,
+            mlp,
+        };
+        let head = match &n.head {
+            Some(name) => Some(
+                weights
+                    .linear(name, (c.vocab_size, h), Bias::No)
+                    .map_err(bad)?,
+            ),
+            None => None,
+        };
+        let rope = Rope::new(hd, max_pos, c.rope_theta, RopeStyle::HalfSplit).map_err(bad)?;
+        Ok(Mtp {
+            token_norm: norm(weights, &n.token_norm, h)?,
+            hidden_norm: norm(weights, &n.hidden_norm, h)?,
+            proj: weights.linear(&n.proj, (h, 2 * h), Bias::No).map_err(bad)?,
+            out_norm: norm(weights, &n.out_norm, h)?,
+            block,
+            head,
+            rope,
+            config,
+        })
+    }
+
+    /// The configuration loaded.
+    pub fn config(&self) -> &MtpConfig {
+        &self.config
+    }
+
+    /// Floats per cached row (`kv_heads × head_dim`).
+    pub fn row_width(&self) -> usize {
+        self.config.num_kv_heads * self.config.head_dim
+    }
+
+    /// Whether the checkpoint brings its own head (DeepSeek `shared_head.head`).
+    pub fn has_own_head(&self) -> bool {
+        self.head.is_some()
+    }
+
+    /// Runs a window: `hidden` and `emb` are `[n, hidden]` (the target's hiddens at positions
+    /// `pos..pos + n` and the embeddings of the tokens after them); appends its `n` rows to
+    /// `cache`.
+    ///
+    /// # Errors
+    /// [`Error::Forward`] on a shape mismatch or a position past the RoPE tables.
+    pub fn forward(
+        &self,
+        cache: &mut Cache,
+        hidden: &Tensor,
+        emb: &Tensor,
+        pos: usize,
+    ) -> Result<Step, Error> {
+        let n = hidden.dims2().map_err(fwd)?.0;
+        let mut emb = emb.clone();
+        if self.config.mask_position_zero && pos == 0 && n > 0 {
+            // vLLM: inputs_embeds[positions == 0] = 0
+            let zero = emb
+                .narrow(0, 0, 1)
+                .map_err(fwd)?
+                .zeros_like()
+                .map_err(fwd)?;
+            let rest = emb.narrow(0, 1, n - 1).map_err(fwd)?;
+            emb = Tensor::cat(&[&zero, &rest], 0).map_err(fwd)?;
+        }
+        let e = self.token_norm.forward(&emb).map_err(fwd)?;
+        let h = self.hidden_norm.forward(hidden).map_err(fwd)?;
+        let fused = match self.config.layout {
+            Layout::MiMo => Tensor::cat(&[&h, &e], 1),
+            Layout::DeepSeek | Layout::QwenNext => Tensor::cat(&[&e, &h], 1),
+        }
+        .map_err(fwd)?;
+        let x = self.proj.forward(&fused).map_err(fwd)?;
+        let b = &self.block;
+        // PyTorch: h = x + attn(norm(x)); out = h + mlp(norm(h))
+        let xn = b.input_layernorm.forward(&x).map_err(fwd)?;
+        let attn = self.attend(cache, &xn, pos)?;
+        let x = (x + b.o_proj.forward(&attn).map_err(fwd)?).map_err(fwd)?;
+        let mlp = b
+            .mlp
+            .forward(&b.post_attention_layernorm.forward(&x).map_err(fwd)?)
+            .map_err(fwd)?;
+        let pre = (x + mlp).map_err(fwd)?;
+        let post = self.out_norm.forward(&pre).map_err(fwd)?;
+        Ok(Step { pre, post })
+    }
+
+    /// The hidden a deeper step feeds back, of `step`.
+    pub fn recycled<'a>(&self, step: &'a Step) -> &'a Tensor {
+        match self.config.recycle {
+            Recycle::PreNorm => &step.pre,
+            Recycle::PostNorm => &step.post,
+        }
+    }
+
+    /// Logits `[n, vocab]` of `post` rows: the module's own head, else `lm_head` (the target's).
+    ///
+    /// # Errors
+    /// [`Error::Forward`] on a shape mismatch.
+    pub fn logits(&self, post: &Tensor, lm_head: &Linear) -> Result<Tensor, Error> {
+        self.head
+            .as_ref()
+            .unwrap_or(lm_head)
+            .forward(post)
+            .map_err(fwd)
+    }
+
+    /// Projects `xs` `[n, heads × d]` to `[n][heads][d]` values, per-head normed and rotated
+    /// at `pos..pos + n` when asked.
+    fn heads(
+        &self,
+        xs: &Tensor,
+        heads: usize,
+        norm: Option<&RmsNorm>,
+        pos: Option<usize>,
+    ) -> Result<Vec<f32>, Error> {
+        let n = xs.dims2().map_err(fwd)?.0;
+        let mut xs = xs.reshape((n, heads, self.config.head_dim)).map_err(fwd)?;
+        if let Some(norm) = norm {
+            xs = norm.forward(&xs).map_err(fwd)?;
+        }
+        let mut data: Vec<f32> = xs.flatten_all().and_then(|t| t.to_vec1()).map_err(fwd)?;
+        if let Some(pos) = pos {
+            let positions: Vec<usize> = (pos..pos + n).collect();
+            self.rope.apply(&mut data, heads, &positions).map_err(fwd)?;
+        }
+        Ok(data)
+    }
+
+    /// Causal attention of the window's rows over `[cache; window]`; the window's K/V join
+    /// the cache.
+    fn attend(&self, cache: &mut Cache, xn: &Tensor, pos: usize) -> Result<Tensor, Error> {
+        let c = &self.config;
+        let b = &self.block;
+        let (n, d) = (xn.dims2().map_err(fwd)?.0, c.head_dim);
+        let (nh, kvh) = (c.num_heads, c.num_kv_heads);
+        let groups = nh / kvh;
+        let q = b.q_proj.forward(xn).map_err(fwd)?;
+        let q = self.heads(&q, nh, b.q_norm.as_ref(), Some(pos))?;
+        let k = b.k_proj.forward(xn).map_err(fwd)?;
+        let k = self.heads(&k, kvh, b.k_norm.as_ref(), Some(pos))?;
+        let v = b.v_proj.forward(xn).map_err(fwd)?;
+        let v = self.heads(&v, kvh, None, None)?;
+        let m = cache.rows;
+        cache.k.extend_from_slice(&k);
+        cache.v.extend_from_slice(&v);
+        cache.rows += n;
+        let total = m + n;
+        let device = &Device::Cpu;
+        let kv = |data: &[f32]| {
+            Tensor::from_slice(data, (total, kvh, d), device)
+                .and_then(|t| t.transpose(0, 1))
+                .and_then(|t| t.contiguous())
+                .map_err(fwd)
+        };
+        let (keys, values) = (kv(&cache.k)?, kv(&cache.v)?);
+        // Query head h = kv * groups + g shares K/V head kv (HF repeat_kv); row g * n + i.
+        let q = Tensor::from_vec(q, (n, nh, d), device)
+            .and_then(|t| t.transpose(0, 1))
+            .and_then(|t| t.contiguous())
+            .and_then(|t| t.reshape((kvh, groups * n, d)))
+            .map_err(fwd)?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let scores = (q
+            .matmul(&keys.t().map_err(fwd)?.contiguous().map_err(fwd)?)
+            .map_err(fwd)?
+            * scale)
+            .map_err(fwd)?;
+        let mask: Vec<f32> = (0..groups * n)
+            .flat_map(|r| {
+                let i = r % n;
+                (0..total).map(move |j| match j <= m + i {
+                    true => 0.0,
+                    false => f32::NEG_INFINITY,
+                })
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (groups * n, total), device).map_err(fwd)?;
+        let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask).map_err(fwd)?)
+            .map_err(fwd)?;
+        probs
+            .matmul(&values)
+            .and_then(|o| o.reshape((nh, n, d)))
+            .and_then(|o| o.transpose(0, 1))
+            .and_then(|o| o.reshape((n, nh * d)))
+            .map_err(fwd)
+    }
+}
+
+/// Maximum over the last dim, as ids.
+///
+/// # Errors
+/// [`Error::Forward`] on a tensor failure.
+pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>, Error> {
+    logits
+        .argmax(D::Minus1)
+        .and_then(|t| t.to_vec1::<u32>())
+        .map_err(fwd)
+}
