@@ -12,4 +12,5 @@ mod law;
 mod server;
 mod spec;
 mod tokenizer;
+mod tools;
 mod two_model;
