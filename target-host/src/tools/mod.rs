@@ -191,12 +191,14 @@ impl ToolSet {
                             .ok_or_else(|| bad("tool_choice.name", "must be a string"))?
                             .to_string(),
                     ),
-                    other => return Err(bad(
-                        "tool_choice.type",
-                        format!(
+                    other => {
+                        return Err(bad(
+                            "tool_choice.type",
+                            format!(
                             "unknown tool_choice type `{other}`: expected auto, any, tool or none"
                         ),
-                    )),
+                        ))
+                    }
                 };
                 (Some(choice), parallel)
             }

@@ -9,7 +9,12 @@
 //!   among the request's tools and an object of `arguments` (no other keys); anything else —
 //!   malformed JSON, an unknown function, a block still open at the end — is text, verbatim;
 //! - whitespace between the text and a call, and after a call, is dropped (it is layout, not
-//!   content: Qwen2.5 writes `\n` between calls).
+//!   content: Qwen2.5 writes `\n` between calls);
+//! - a reply that is nothing but one call object, without the tags, is that call: small
+//!   models (Qwen2.5-Coder-0.5B, greedy) answer a tool request with the bare
+//!   `{"name": "get_weather", "arguments": {…}}`, as llama.cpp's Hermes parser also accepts. A
+//!   reply is held back while it may still be such an object (it starts `{"name": "` and a
+//!   prefix of a listed name) and released as text at the end when it is not one.
 //!
 //! A call's arguments are released whole once the block closes, not token by token: a stream
 //! must never start a call that the closing JSON then proves malformed.
@@ -69,6 +74,8 @@ pub struct CallParser {
     pending_ws: String,
     /// The last thing released was a call (leading whitespace of what follows is dropped).
     after_call: bool,
+    /// Nothing is released yet and the reply may still be a bare call object.
+    bare: bool,
 }
 
 impl CallParser {
@@ -80,6 +87,7 @@ impl CallParser {
             in_call: false,
             pending_ws: String::new(),
             after_call: false,
+            bare: true,
         }
     }
 
@@ -87,6 +95,12 @@ impl CallParser {
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
         self.buf.push_str(text);
         let mut out = Vec::new();
+        if self.bare {
+            match bare_call_prefix(&self.buf, &self.names) {
+                true => return out,
+                false => self.bare = false,
+            }
+        }
         loop {
             if self.in_call {
                 let Some(at) = self.buf.find(CLOSE) else {
@@ -113,8 +127,17 @@ impl CallParser {
 
     /// Releases everything left at the end of generation.
     pub fn finish(&mut self, end: End) -> Vec<Piece> {
-        let mut out = Vec::new();
         let rest = std::mem::take(&mut self.buf);
+        if std::mem::take(&mut self.bare) {
+            if let Some(call) = self.call(&rest) {
+                return vec![Piece::Call(call)];
+            }
+            // Not a call after all: the held text is parsed as any other.
+            let mut out = self.push(&rest);
+            out.extend(self.finish(end));
+            return out;
+        }
+        let mut out = Vec::new();
         if std::mem::take(&mut self.in_call) {
             self.block(&rest, end == End::AtClose, &mut out);
         } else {
@@ -181,6 +204,27 @@ impl CallParser {
             out.push(Piece::Text(t));
         }
         self.pending_ws.push_str(&s[body.len()..]);
+    }
+}
+
+/// Whether `s` may still be the start of a bare call object `{"name": "<listed name>", …`.
+fn bare_call_prefix(s: &str, names: &[String]) -> bool {
+    let mut rest = s.trim_start();
+    // `{`, `"name"`, `:` and the name's opening quote, with JSON whitespace between.
+    for lit in ["{", "\"name\"", ":", "\""] {
+        rest = rest.trim_start();
+        if rest.is_empty() || lit.starts_with(rest) {
+            return true;
+        }
+        match rest.strip_prefix(lit) {
+            Some(r) => rest = r,
+            None => return false,
+        }
+    }
+    match rest.find('"') {
+        // The whole name is there: it must be listed (the rest is checked at the end).
+        Some(end) => names.iter().any(|n| *n == rest[..end]),
+        None => names.iter().any(|n| n.starts_with(rest)),
     }
 }
 
@@ -285,6 +329,52 @@ mod tests {
         assert_eq!(
             whole(t, End::AtClose),
             (String::new(), vec![call("get_time", json!({}))])
+        );
+    }
+
+    #[test]
+    fn a_bare_call_object_is_a_call() {
+        let t = "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}";
+        assert_eq!(
+            whole(t, End::Plain),
+            (
+                String::new(),
+                vec![call("get_weather", json!({"city": "Paris"}))]
+            )
+        );
+        // Streamed: held back to the end, then the call.
+        let mut p = parser();
+        for piece in [
+            "{\"",
+            "name",
+            "\":",
+            " \"",
+            "get",
+            "_weather",
+            "\", \"arguments\": {}}",
+        ] {
+            assert_eq!(p.push(piece), vec![], "{piece}");
+        }
+        assert_eq!(
+            p.finish(End::Plain),
+            vec![Piece::Call(call("get_weather", json!({})))]
+        );
+        // Not a call: other JSON, another name, or text after the object.
+        for t in [
+            "{\"a\": 1}",
+            "{\"name\": \"get_weatherman\", \"arguments\": {}}",
+            "{\"name\": \"get_time\", \"arguments\": {}} and more",
+            "{\"name\": \"Bob\"}",
+            "{",
+        ] {
+            assert_eq!(whole(t, End::Plain), (t.to_string(), vec![]), "{t}");
+        }
+        // Other JSON is released as soon as it cannot be a call.
+        let mut p = parser();
+        assert_eq!(p.push("{\"na"), vec![]);
+        assert_eq!(
+            p.push("mes\": 1"),
+            vec![Piece::Text("{\"names\": 1".into())]
         );
     }
 
