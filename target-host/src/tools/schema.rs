@@ -92,26 +92,22 @@ fn check_at(schema: &Value, at: &str, depth: usize) -> Result<(), ToolError> {
                     ));
                 }
             }
-            "enum" => {
-                if !v.is_array() {
-                    return Err(bad(sub(k), "must be a list of values"));
-                }
+            "enum" if !v.is_array() => return Err(bad(sub(k), "must be a list of values")),
+            "description" | "title" | "pattern" | "format" | "$ref" | "$schema" | "$id"
+                if !v.is_string() =>
+            {
+                return Err(bad(sub(k), "must be a string"))
             }
-            "description" | "title" | "pattern" | "format" | "$ref" | "$schema" | "$id" => {
-                if !v.is_string() {
-                    return Err(bad(sub(k), "must be a string"));
-                }
-            }
-            "minimum" | "maximum" | "exclusiveMinimum" | "exclusiveMaximum" | "multipleOf" => {
-                if !v.is_number() {
-                    return Err(bad(sub(k), "must be a number"));
-                }
+            "minimum" | "maximum" | "exclusiveMinimum" | "exclusiveMaximum" | "multipleOf"
+                if !v.is_number() =>
+            {
+                return Err(bad(sub(k), "must be a number"))
             }
             "minLength" | "maxLength" | "minItems" | "maxItems" | "minProperties"
-            | "maxProperties" => {
-                if !v.is_u64() {
-                    return Err(bad(sub(k), "must be a non-negative integer"));
-                }
+            | "maxProperties"
+                if !v.is_u64() =>
+            {
+                return Err(bad(sub(k), "must be a non-negative integer"))
             }
             _ => {}
         }
