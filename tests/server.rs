@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 /// A running server, killed on drop.
-struct Server {
+pub(crate) struct Server {
     child: Child,
-    addr: String,
+    pub(crate) addr: String,
     log: Arc<Mutex<String>>,
 }
 
@@ -21,8 +21,13 @@ struct Server {
 const ADMIN_TOKEN: &str = "admin-s3cret";
 
 impl Server {
-    fn start(extra: &[&str]) -> Server {
+    pub(crate) fn start(extra: &[&str]) -> Server {
         Server::start_env(extra, &[])
+    }
+
+    /// A server of the real model `name` (a `scripts/fetch-model` name).
+    pub(crate) fn start_model(name: &str, extra: &[&str]) -> Server {
+        Server::start_with(name, extra, &[])
     }
 
     /// A server whose admin API is on (token in SPECULA_ADMIN_TOKEN).
@@ -31,7 +36,11 @@ impl Server {
     }
 
     fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
-        let model = specula_tests::model_path("smollm2-135m");
+        Server::start_with("smollm2-135m", extra, env)
+    }
+
+    fn start_with(name: &str, extra: &[&str], env: &[(&str, &str)]) -> Server {
+        let model = specula_tests::model_path(name);
         let mut cmd = Command::new(specula_tests::bin_path("target-host"));
         cmd.arg("serve")
             .arg("--model")
@@ -73,11 +82,11 @@ impl Server {
         Server { child, addr, log }
     }
 
-    fn get(&self, path: &str) -> Response {
+    pub(crate) fn get(&self, path: &str) -> Response {
         request(&self.addr, "GET", path, &[], b"")
     }
 
-    fn post(&self, path: &str, body: &Value) -> Response {
+    pub(crate) fn post(&self, path: &str, body: &Value) -> Response {
         request(&self.addr, "POST", path, &[], body.to_string().as_bytes())
     }
 
@@ -106,24 +115,24 @@ impl Drop for Server {
     }
 }
 
-struct Response {
-    status: u16,
+pub(crate) struct Response {
+    pub(crate) status: u16,
     headers: String,
-    body: Vec<u8>,
+    pub(crate) body: Vec<u8>,
 }
 
 impl Response {
-    fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         serde_json::from_slice(&self.body)
             .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
     }
 
-    fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         String::from_utf8_lossy(&self.body).into_owned()
     }
 
     /// Asserts an OpenAI error body with `status`, returning `error`.
-    fn error(&self, status: u16) -> Value {
+    pub(crate) fn error(&self, status: u16) -> Value {
         assert_eq!(self.status, status, "body: {}", self.text());
         let v = self.json();
         let e = &v["error"];
@@ -214,7 +223,7 @@ fn dechunk(mut raw: &[u8]) -> Vec<u8> {
 }
 
 /// `data:` payloads of an SSE body, `[DONE]` included.
-fn sse_data(body: &str) -> Vec<String> {
+pub(crate) fn sse_data(body: &str) -> Vec<String> {
     body.lines()
         .filter_map(|l| l.strip_prefix("data: "))
         .map(str::to_string)

@@ -15,4 +15,5 @@ mod mtp;
 mod server;
 mod spec;
 mod tokenizer;
+mod tools;
 mod two_model;

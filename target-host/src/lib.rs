@@ -12,6 +12,7 @@
 //! | [`drafter`] | drafter processes: spawn, handshake, supervision; in-process drafters |
 //! | [`drafter_args`] | the `--drafter` command-line options |
 //! | [`http`] | the OpenAI-compatible server and the admin API |
+//! | [`tools`] | tool calling: the request's tools, and calls parsed back from the reply |
 
 pub mod bench;
 pub mod drafter;
@@ -23,4 +24,5 @@ pub mod http;
 pub mod models;
 pub mod proposer;
 pub mod text;
+pub mod tools;
 pub mod verify;

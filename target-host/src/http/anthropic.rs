@@ -287,13 +287,13 @@ impl Chunks for MessageEvents {
         ]
     }
 
-    fn token(&mut self, token: TokenOut) -> Option<Value> {
+    fn token(&mut self, token: TokenOut) -> Vec<Value> {
         if token.text.is_empty() {
-            return None;
+            return Vec::new();
         }
         self.shown += token.text.len();
-        Some(json!({"type": "content_block_delta", "index": 0,
-            "delta": {"type": "text_delta", "text": token.text}}))
+        vec![json!({"type": "content_block_delta", "index": 0,
+            "delta": {"type": "text_delta", "text": token.text}})]
     }
 
     fn finish(&mut self, g: &Generation) -> Vec<Value> {

@@ -1,5 +1,10 @@
 //! `POST /v1/chat/completions`: messages rendered through the model's chat template, then
 //! generated like a completion.
+//!
+//! With `tools`, the template renders them (or the fallback of a template without a tools
+//! branch does: `specula_models::chat`), and the reply is parsed for calls ([`crate::tools`]):
+//! `message.tool_calls` with `finish_reason: "tool_calls"`, streamed as OpenAI's
+//! `delta.tool_calls` (a call's id and name first, then its arguments).
 
 use std::sync::Arc;
 
@@ -12,13 +17,15 @@ use specula_models::tokenizer::Tokenizer;
 use super::error::{parse_value, ApiError, ApiJson};
 use super::openai_types::{
     ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatMessageIn, ChatMessageOut,
-    ChatRequest, ChatResponse, ChatTokenLogprob, MessageContent, TopLogprob, Usage, CHAT_FIELDS,
-    MESSAGE_FIELDS,
+    ChatRequest, ChatResponse, ChatTokenLogprob, FunctionCallIn, MessageContent, ToolCallOut,
+    TopLogprob, Usage, CHAT_FIELDS, MESSAGE_FIELDS,
 };
 use super::request::{check_common, check_fields, check_top_logprobs, COMMON_FIELDS};
 use super::stream::{collect, finish_reason, sse, Chunks, TokenOut, Tracker};
 use super::{encode_rendered, new_id, respond, token_text, unix_now, AppState};
-use crate::generation::Generation;
+use crate::generation::{FinishReason, Generation};
+use crate::tools::parse::{ParsedCall, Piece};
+use crate::tools::{call_id, Reply, ToolError, ToolSet};
 
 /// `POST /v1/chat/completions`.
 pub async fn handler(
@@ -44,9 +51,14 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
         (true, n) => Some(check_top_logprobs("top_logprobs", n.unwrap_or(0))?),
     };
     check_messages(&body)?;
-    let prompt = render(state, &req)?;
+    let tools = tool_set(&body)?;
+    let prompt = render(state, &req, tools.as_ref())?;
     super::check_prompt_size(state, &prompt.text(), "messages").await?;
     let prompt_ids = encode_rendered(state, prompt, "messages").await?;
+    let mut checked = checked;
+    if let Some(stop) = tools.as_ref().and_then(ToolSet::stop) {
+        checked.stop.push(stop.to_string());
+    }
     let (gen_req, plan) = checked.into_request(state, prompt_ids, logprobs, "messages")?;
     let rx = match super::admission::submit(state, "chat", gen_req) {
         Ok(rx) => rx,
@@ -60,12 +72,25 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
         state: state.clone(),
         logprobs: logprobs.is_some(),
         shown: 0,
+        reply: Reply::new(tools.as_ref()),
+        calls: 0,
     };
     if plan.stream {
         return Ok(sse(rx, chunks, plan.include_usage, tracker).into_response());
     }
     let (generation, tokens) = collect(rx, tracker).await?;
     let logprobs = logprobs.map(|_| chunks.logprobs_of(&tokens));
+    let stopped = generation.finish_reason == FinishReason::Stop;
+    let (content, calls) = chunks.reply.clone().split_whole(&generation.text, stopped);
+    let finish = match calls.is_empty() {
+        true => finish_reason(generation.finish_reason),
+        false => "tool_calls",
+    };
+    let tool_calls = (!calls.is_empty()).then(|| calls.into_iter().map(tool_call_out).collect());
+    let content = match (&tool_calls, content.is_empty()) {
+        (Some(_), true) => None,
+        _ => Some(content),
+    };
     let response = ChatResponse {
         id: std::mem::take(&mut chunks.id),
         object: "chat.completion",
@@ -75,10 +100,11 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
             index: 0,
             message: ChatMessageOut {
                 role: "assistant",
-                content: generation.text.clone(),
+                content,
+                tool_calls,
             },
             logprobs,
-            finish_reason: finish_reason(generation.finish_reason),
+            finish_reason: finish,
         }],
         usage: Usage::from_stats(&generation.stats),
     };
@@ -93,7 +119,44 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
 pub fn render_body(state: &AppState, body: &serde_json::Value) -> Result<RenderedPrompt, ApiError> {
     let req: ChatRequest = parse_value(body)?;
     check_messages(body)?;
-    render(state, &req)
+    let tools = tool_set(body)?;
+    render(state, &req, tools.as_ref())
+}
+
+/// The request's tools (`tools`, `tool_choice`, `parallel_tool_calls`), checked.
+fn tool_set(body: &serde_json::Value) -> Result<Option<ToolSet>, ApiError> {
+    let tools = ToolSet::from_openai(
+        body.get("tools"),
+        body.get("tool_choice"),
+        body.get("parallel_tool_calls"),
+    )
+    .map_err(tool_error)?;
+    if let Some(t) = &tools {
+        if t.forced().is_some() {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "tool_choice `required` or a named function is not supported yet: use `auto`",
+            ));
+        }
+    }
+    Ok(tools)
+}
+
+/// A [`ToolError`] as a 400 naming its field.
+pub fn tool_error(e: ToolError) -> ApiError {
+    ApiError::invalid(&e.param, e.message)
+}
+
+/// A parsed call as OpenAI's response writes it.
+fn tool_call_out(c: ParsedCall) -> ToolCallOut {
+    ToolCallOut {
+        id: call_id("call_"),
+        kind: "function",
+        function: FunctionCallIn {
+            arguments: c.arguments_json(),
+            name: c.name,
+        },
+    }
 }
 
 /// Roles a message may have (`developer` is OpenAI's newer name for `system`).
@@ -120,7 +183,11 @@ fn check_messages(body: &serde_json::Value) -> Result<(), ApiError> {
 
 /// Renders the request's messages with the model's chat template; special-token text inside
 /// them stays text unless the server trusts its callers.
-fn render(state: &AppState, req: &ChatRequest) -> Result<RenderedPrompt, ApiError> {
+fn render(
+    state: &AppState,
+    req: &ChatRequest,
+    tools: Option<&ToolSet>,
+) -> Result<RenderedPrompt, ApiError> {
     let messages = &req.messages;
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "messages must not be empty"));
@@ -151,13 +218,14 @@ fn render(state: &AppState, req: &ChatRequest) -> Result<RenderedPrompt, ApiErro
             "continue_final_message needs the last message to be the assistant's",
         ));
     }
+    let template_tools = tools.map(ToolSet::template_tools);
     let opts = RenderOptions {
         generation: match add {
             true => GenerationPrompt::Add,
             false => GenerationPrompt::Omit,
         },
         continue_final_message: req.continue_final_message,
-        tools: None,
+        tools: template_tools.as_ref(),
         kwargs: req.chat_template_kwargs.as_ref(),
         content_special: state.content_special,
     };
@@ -260,8 +328,12 @@ struct ChatChunks {
     /// The state, for its tokenizer (the stream outlives the handler).
     state: Arc<AppState>,
     logprobs: bool,
-    /// Bytes of content streamed so far.
+    /// Bytes of generated text fed to `reply` so far.
     shown: usize,
+    /// Content and calls of the reply.
+    reply: Reply,
+    /// Calls streamed so far (the next call's `index`).
+    calls: usize,
 }
 
 impl ChatChunks {
@@ -312,62 +384,104 @@ impl ChatChunks {
     }
 }
 
+impl ChatChunks {
+    fn delta(&self, delta: ChatDelta, finish: Option<&'static str>) -> serde_json::Value {
+        self.chunk(
+            vec![ChatChunkChoice {
+                index: 0,
+                delta,
+                logprobs: None,
+                finish_reason: finish,
+            }],
+            None,
+        )
+    }
+
+    /// The chunks of released pieces: content deltas, and for a call one delta with its
+    /// index, id and name, then one with its arguments.
+    fn pieces(&mut self, pieces: Vec<Piece>) -> Vec<serde_json::Value> {
+        let mut out = Vec::new();
+        for p in pieces {
+            match p {
+                Piece::Text(text) => out.push(self.delta(
+                    ChatDelta {
+                        content: Some(text),
+                        ..ChatDelta::default()
+                    },
+                    None,
+                )),
+                Piece::Call(call) => {
+                    let index = self.calls;
+                    self.calls += 1;
+                    let call = tool_call_out(call);
+                    let head = serde_json::json!({"index": index, "id": call.id, "type": "function",
+                        "function": {"name": call.function.name, "arguments": ""}});
+                    let args = serde_json::json!({"index": index,
+                        "function": {"arguments": call.function.arguments}});
+                    for d in [head, args] {
+                        out.push(self.delta(
+                            ChatDelta {
+                                tool_calls: Some(vec![d]),
+                                ..ChatDelta::default()
+                            },
+                            None,
+                        ));
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
 impl Chunks for ChatChunks {
     fn start(&mut self) -> Vec<serde_json::Value> {
         let delta = ChatDelta {
             role: Some("assistant"),
             content: Some(String::new()),
+            tool_calls: None,
         };
-        vec![self.chunk(
-            vec![ChatChunkChoice {
-                index: 0,
-                delta,
-                logprobs: None,
-                finish_reason: None,
-            }],
-            None,
-        )]
+        vec![self.delta(delta, None)]
     }
 
-    fn token(&mut self, token: TokenOut) -> Option<serde_json::Value> {
-        if token.text.is_empty() && !self.logprobs {
-            return None;
-        }
-        let logprobs = self
-            .logprobs
-            .then(|| self.logprobs_of(std::slice::from_ref(&token)));
+    fn token(&mut self, token: TokenOut) -> Vec<serde_json::Value> {
         self.shown += token.text.len();
-        let delta = ChatDelta {
-            role: None,
-            content: Some(token.text),
-        };
-        Some(self.chunk(
-            vec![ChatChunkChoice {
-                index: 0,
-                delta,
-                logprobs,
-                finish_reason: None,
-            }],
-            None,
-        ))
+        let pieces = self.reply.push(&token.text);
+        let mut out = self.pieces(pieces);
+        if self.logprobs {
+            let logprobs = self.logprobs_of(std::slice::from_ref(&token));
+            if out.is_empty() {
+                // The token's text is held back (or empty): its logprobs still come now.
+                out.push(self.delta(
+                    ChatDelta {
+                        content: Some(String::new()),
+                        ..ChatDelta::default()
+                    },
+                    None,
+                ));
+            }
+            out[0]["choices"][0]["logprobs"] =
+                serde_json::to_value(logprobs).expect("invariant: logprobs serialize");
+        }
+        out
     }
 
     fn finish(&mut self, generation: &Generation) -> Vec<serde_json::Value> {
-        // Text the tokens held back (a stop-string prefix that never completed) comes with the
-        // last chunk, so a stream shows exactly the non-streamed text.
+        // Text the tokens held back (a stop-string prefix that never completed, a possible
+        // tag) comes with the last chunks, so a stream shows exactly the non-streamed reply.
         let tail = generation.text.get(self.shown..).unwrap_or_default();
-        vec![self.chunk(
-            vec![ChatChunkChoice {
-                index: 0,
-                delta: ChatDelta {
-                    role: None,
-                    content: (!tail.is_empty()).then(|| tail.to_string()),
-                },
-                logprobs: None,
-                finish_reason: Some(finish_reason(generation.finish_reason)),
-            }],
-            None,
-        )]
+        let mut pieces = self.reply.push(tail);
+        pieces.extend(
+            self.reply
+                .finish(generation.finish_reason == FinishReason::Stop),
+        );
+        let mut out = self.pieces(pieces);
+        let finish = match self.calls {
+            0 => finish_reason(generation.finish_reason),
+            _ => "tool_calls",
+        };
+        out.push(self.delta(ChatDelta::default(), Some(finish)));
+        out
     }
 
     fn usage(&mut self, usage: Usage) -> serde_json::Value {

@@ -217,9 +217,9 @@ impl Chunks for CompletionChunks {
         Vec::new()
     }
 
-    fn token(&mut self, token: TokenOut) -> Option<serde_json::Value> {
+    fn token(&mut self, token: TokenOut) -> Vec<serde_json::Value> {
         if token.text.is_empty() && !self.logprobs {
-            return None;
+            return Vec::new();
         }
         let logprobs = self.logprobs.then(|| {
             legacy_logprobs(
@@ -235,7 +235,7 @@ impl Chunks for CompletionChunks {
             logprobs,
             finish_reason: None,
         };
-        Some(self.chunk(vec![choice], None))
+        vec![self.chunk(vec![choice], None)]
     }
 
     fn finish(&mut self, generation: &Generation) -> Vec<serde_json::Value> {

@@ -169,6 +169,10 @@ pub const CHAT_FIELDS: &[&str] = &[
     "chat_template_kwargs",
     "add_generation_prompt",
     "continue_final_message",
+    // Read by `tools::ToolSet::from_openai`.
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 ];
 
 /// Fields of one chat message.
@@ -377,8 +381,23 @@ pub struct ChatLogprobs {
 pub struct ChatMessageOut {
     /// `assistant`.
     pub role: &'static str,
-    /// The generated text.
-    pub content: String,
+    /// The generated text (`null` when the reply is only tool calls, as OpenAI sends it).
+    pub content: Option<String>,
+    /// The tool calls of the reply, when it made any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallOut>>,
+}
+
+/// A tool call in a response.
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCallOut {
+    /// `call_…`.
+    pub id: String,
+    /// `function`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// The function and its arguments.
+    pub function: FunctionCallIn,
 }
 
 /// A chat choice.
@@ -420,6 +439,10 @@ pub struct ChatDelta {
     /// New text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// Tool-call deltas: `[{index, id, type, function: {name, arguments: ""}}]` when a call
+    /// starts, then `[{index, function: {arguments}}]`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
 }
 
 /// A chat stream chunk's choice.

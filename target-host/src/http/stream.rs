@@ -142,8 +142,8 @@ fn engine_error(message: String) -> ApiError {
 pub trait Chunks: Send + 'static {
     /// Payloads sent before any token (chat: the `role` delta).
     fn start(&mut self) -> Vec<serde_json::Value>;
-    /// The payload for one token, or `None` when it carries nothing to show.
-    fn token(&mut self, token: TokenOut) -> Option<serde_json::Value>;
+    /// The payloads for one token (none when it carries nothing to show yet).
+    fn token(&mut self, token: TokenOut) -> Vec<serde_json::Value>;
     /// The last content chunks (with `finish_reason`).
     fn finish(&mut self, generation: &Generation) -> Vec<serde_json::Value>;
     /// The usage chunk (empty `choices`).
