@@ -123,23 +123,35 @@ impl DonorLayout {
                 self.block_size, self.dtype
             ));
         }
+        // Every field is untrusted (it came in `MapDonors`): sums and products are checked.
+        let epochs_end = self.epochs_offset.checked_add(8 * u64::from(self.blocks));
+        let region_bytes = self
+            .block_bytes
+            .checked_mul(u64::from(self.blocks))
+            .and_then(|b| b.checked_add(self.data_offset));
         if self.epochs_offset < HEADER
             || !self.epochs_offset.is_multiple_of(8)
             || !self.data_offset.is_multiple_of(ALIGN)
             || !self.block_bytes.is_multiple_of(ALIGN)
-            || self.epochs_offset + 8 * u64::from(self.blocks) > self.data_offset
-            || self.region_bytes() != len as u64
+            || epochs_end.is_none_or(|end| end > self.data_offset)
+            || region_bytes != Some(len as u64)
         {
             return bad(format!("donor layout {self:?} does not fit {len} bytes"));
         }
         let bs = u64::from(self.block_size);
         for l in &self.layers {
-            let half = u64::from(l.kv_heads) * u64::from(l.head_dim) * bs * 4;
-            if half == 0
+            let half = u64::from(l.kv_heads)
+                .checked_mul(u64::from(l.head_dim))
+                .and_then(|n| n.checked_mul(bs * 4));
+            let fits = |off: u64| {
+                half.and_then(|h| off.checked_add(h))
+                    .is_some_and(|end| end <= self.block_bytes)
+            };
+            if half.is_none_or(|h| h == 0)
                 || !l.k_offset.is_multiple_of(4)
                 || !l.v_offset.is_multiple_of(4)
-                || l.k_offset + half > self.block_bytes
-                || l.v_offset + half > self.block_bytes
+                || !fits(l.k_offset)
+                || !fits(l.v_offset)
             {
                 return bad(format!("donor layer {l:?} does not fit a block"));
             }

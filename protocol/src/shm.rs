@@ -64,7 +64,10 @@ pub struct TensorView {
 impl TensorView {
     /// Number of elements.
     pub fn numel(&self) -> usize {
-        self.shape.iter().map(|&d| d as usize).product()
+        // Saturating: the shape may come from the other process.
+        self.shape
+            .iter()
+            .fold(1usize, |n, &d| n.saturating_mul(d as usize))
     }
 }
 
@@ -295,7 +298,16 @@ impl ShmReader {
                 view.region, self.id
             ));
         }
-        let bytes = (view.numel() * view.dtype.size()) as u64;
+        // The shape is untrusted: its size may overflow any integer type.
+        let bytes = view
+            .shape
+            .iter()
+            .try_fold(view.dtype.size() as u64, |n, &d| {
+                n.checked_mul(u64::from(d))
+            });
+        let Some(bytes) = bytes else {
+            return bad(format!("view of shape {:?} overflows", view.shape));
+        };
         if bytes > self.capacity
             || view.offset != HEADER as u64 + view.epoch % self.capacity
             || view.epoch % self.capacity + bytes > self.capacity
@@ -307,7 +319,7 @@ impl ShmReader {
         }
         let base = &self.shm[..];
         let written = word(base, WRITTEN).load(Ordering::Acquire);
-        if written < view.epoch + bytes {
+        if written < view.epoch.saturating_add(bytes) {
             return bad(format!(
                 "epoch {} is not written yet ({written})",
                 view.epoch
