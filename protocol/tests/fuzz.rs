@@ -162,7 +162,7 @@ fn request(seq: u64, request: Request) -> HostMsg {
 
 /// Valid postcard encodings of every plain-data message (the mutation seeds).
 fn postcard_seeds() -> Vec<Vec<u8>> {
-    let host = vec![
+    let host = [
         HostMsg::Handshake(serde_json::to_string(&HandshakeReply::Welcome(welcome())).unwrap()),
         request(
             1,
@@ -222,7 +222,7 @@ fn postcard_seeds() -> Vec<Vec<u8>> {
             }),
         ),
     ];
-    let drafter = vec![
+    let drafter = [
         DrafterMsg::Goodbye {
             reason: "wrong tokenizer ✗".into(),
         },
