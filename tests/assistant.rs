@@ -70,6 +70,7 @@ fn run(
             },
         },
         logprobs: None,
+        grammar: None,
     };
     generate(
         &loaded.model,

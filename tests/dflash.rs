@@ -248,6 +248,7 @@ fn histograms(
             stop: vec![],
             speculation,
             logprobs: None,
+            grammar: None,
         };
         let slot = ProposerSlot::new(proposer);
         let out = run_engine(
@@ -368,6 +369,7 @@ fn greedy(
             false => Speculation::Off,
         },
         logprobs: None,
+        grammar: None,
     };
     let mut n = 0;
     let out = run_engine(

@@ -230,6 +230,7 @@ fn request(
             },
         },
         logprobs: None,
+        grammar: None,
     }
 }
 

@@ -313,6 +313,7 @@ fn q8_linears_stay_close_to_the_reference() {
         session: 1,
         new_tokens: &[],
         n: 16,
+        donors: None,
     };
     let block = d.blocks(&[ask]).unwrap().pop().unwrap().expect("a block");
     let want = &case.tensors["round0.logits"];

@@ -75,6 +75,7 @@ fn check(
     let options = Options {
         block_size: None,
         confidence_threshold: 0.0, // whole blocks, as the twin drafted them
+        q8_linears: false,
     };
     let mut d = DFlash::new(WeightsSource::Path(weights), options).expect("drafter config");
     d.accept_target(target).expect("the weights fit SmolLM2");
@@ -114,6 +115,7 @@ fn check(
                 session,
                 new_tokens: &[],
                 n: 16,
+                donors: None,
             };
             let block = d
                 .blocks(&[ask])
