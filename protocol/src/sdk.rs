@@ -33,6 +33,7 @@
 //! ```
 
 mod server;
+pub mod shipped;
 
 use std::process::ExitCode;
 

@@ -3,9 +3,8 @@
 //! their `config.json` (architecture, tokenizer fingerprint, hidden size, layer count) against
 //! the host's `TargetInfo`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use serde_json::Value;
 use specula_protocol::wire::TargetInfo;
 
 use crate::Error;
@@ -24,14 +23,8 @@ pub enum WeightsSource {
     },
 }
 
-/// The default root of shipped weights: `SPECULA_DRAFTER_WEIGHTS`, else this crate's sibling
-/// `drafters/weights`.
-pub fn default_root() -> PathBuf {
-    match std::env::var_os("SPECULA_DRAFTER_WEIGHTS") {
-        Some(dir) => PathBuf::from(dir),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../weights"),
-    }
-}
+pub use specula_protocol::sdk::shipped::default_root;
+use specula_protocol::sdk::shipped::{describe, find};
 
 impl WeightsSource {
     /// The folder to load for `target`.
@@ -42,17 +35,7 @@ impl WeightsSource {
         match self {
             WeightsSource::Path(dir) => Ok(dir.clone()),
             WeightsSource::Shipped { root, kind } => {
-                let mut found = Vec::new();
-                if let Ok(dirs) = std::fs::read_dir(root) {
-                    for dir in dirs.flatten() {
-                        let candidate = dir.path().join(kind);
-                        if matches(&candidate.join("config.json"), target) {
-                            found.push(candidate);
-                        }
-                    }
-                }
-                found.sort();
-                found.into_iter().next().ok_or_else(|| Error::NoWeights {
+                find(root, kind, target).ok_or_else(|| Error::NoWeights {
                     kind: kind.clone(),
                     target: describe(target),
                     root: root.clone(),
@@ -60,32 +43,6 @@ impl WeightsSource {
             }
         }
     }
-}
-
-fn describe(t: &TargetInfo) -> String {
-    let fp: String = t.tokenizer_fingerprint.chars().take(12).collect();
-    format!(
-        "{} (hidden {}, {} layers, tokenizer {fp}…)",
-        t.architecture, t.hidden_size, t.num_layers
-    )
-}
-
-/// Whether the config's `specula_target` names `target`.
-fn matches(config: &Path, target: &TargetInfo) -> bool {
-    let Some(json) = std::fs::read_to_string(config)
-        .ok()
-        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
-    else {
-        return false;
-    };
-    let Some(key) = json.get("specula_target") else {
-        return false;
-    };
-    key.get("architecture").and_then(Value::as_str) == Some(target.architecture.as_str())
-        && key.get("tokenizer_fingerprint").and_then(Value::as_str)
-            == Some(target.tokenizer_fingerprint.as_str())
-        && key.get("hidden_size").and_then(Value::as_u64) == Some(u64::from(target.hidden_size))
-        && key.get("num_layers").and_then(Value::as_u64) == Some(u64::from(target.num_layers))
 }
 
 #[cfg(test)]

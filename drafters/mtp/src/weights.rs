@@ -27,14 +27,8 @@ pub enum WeightsSource {
     },
 }
 
-/// The default root of shipped weights: `SPECULA_DRAFTER_WEIGHTS`, else this crate's sibling
-/// `drafters/weights`.
-pub fn default_root() -> PathBuf {
-    match std::env::var_os("SPECULA_DRAFTER_WEIGHTS") {
-        Some(dir) => PathBuf::from(dir),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../weights"),
-    }
-}
+pub use specula_protocol::sdk::shipped::default_root;
+use specula_protocol::sdk::shipped::{describe, find};
 
 impl WeightsSource {
     /// The folder to load for `target`.
@@ -49,15 +43,7 @@ impl WeightsSource {
                 if own.is_dir() && has_mtp(own) {
                     return Ok(own.to_path_buf());
                 }
-                let mut found: Vec<PathBuf> = std::fs::read_dir(root)
-                    .into_iter()
-                    .flatten()
-                    .flatten()
-                    .map(|d| d.path().join("mtp"))
-                    .filter(|dir| matches(&config_path(dir), target))
-                    .collect();
-                found.sort();
-                found.into_iter().next().ok_or_else(|| Error::NoWeights {
+                find(root, "mtp", target).ok_or_else(|| Error::NoWeights {
                     target: describe(target),
                     root: root.clone(),
                 })
@@ -103,31 +89,4 @@ fn has_mtp(dir: &Path) -> bool {
         (Some(layers), Ok(w)) => find_layout(&w, layers as usize).is_some(),
         _ => false,
     }
-}
-
-fn describe(t: &TargetInfo) -> String {
-    let fp: String = t.tokenizer_fingerprint.chars().take(12).collect();
-    format!(
-        "{} (hidden {}, {} layers, tokenizer {fp}…)",
-        t.architecture, t.hidden_size, t.num_layers
-    )
-}
-
-/// Whether the config's `specula_target` names `target`.
-fn matches(config: &Path, target: &TargetInfo) -> bool {
-    let Some(json) = std::fs::read_to_string(config)
-        .ok()
-        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
-    else {
-        return false;
-    };
-    let Some(key) = json.get("specula_target") else {
-        return false;
-    };
-    let u = |k: &str| key.get(k).and_then(Value::as_u64);
-    key.get("architecture").and_then(Value::as_str) == Some(target.architecture.as_str())
-        && key.get("tokenizer_fingerprint").and_then(Value::as_str)
-            == Some(target.tokenizer_fingerprint.as_str())
-        && u("hidden_size") == Some(u64::from(target.hidden_size))
-        && u("num_layers") == Some(u64::from(target.num_layers))
 }
