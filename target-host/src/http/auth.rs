@@ -243,7 +243,14 @@ pub struct DrafterPolicy {
 }
 
 /// Drafters that ship with Specula, found next to `target-host`.
-pub const BUILTIN_DRAFTERS: &[&str] = &["ngram", "two-model", "echo-drafter"];
+pub const BUILTIN_DRAFTERS: &[&str] = &[
+    "ngram",
+    "two-model",
+    "dflash",
+    "mtp",
+    "assistant",
+    "echo-drafter",
+];
 
 impl DrafterPolicy {
     /// The policy for `dirs` plus the operator's own `--drafter` (a name or a path).
