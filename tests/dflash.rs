@@ -33,7 +33,7 @@ use target_host::drafter_args::target_info;
 use target_host::engine::EngineConfig;
 use target_host::generation::{generate as run_engine, Flow, GenerationRequest, Speculation};
 use target_host::proposer::{
-    Draft, DraftBatch, Proposer, ProposerSlot, SessionId, TapRows, Verdict, Wants,
+    Draft, DraftBatch, Health, Proposer, ProposerSlot, SessionId, TapRows, Verdict, Wants,
 };
 
 const MAX_TOKENS: usize = 40;
@@ -200,6 +200,12 @@ impl Proposer for Recording {
     fn advance(&mut self, session: SessionId, ids: &[u32], taps: Option<&TapRows>) {
         self.pos += ids.len();
         self.inner.advance(session, ids, taps);
+    }
+    fn health(&self) -> Health {
+        self.inner.health()
+    }
+    fn incarnation(&self) -> u64 {
+        self.inner.incarnation()
     }
     fn close(&mut self, session: SessionId) {
         self.inner.close(session);

@@ -232,7 +232,8 @@ pub trait Proposer: Send {
         Health::Healthy
     }
     /// Bumped whenever the proposer forgot its sessions (a drafter process that was respawned);
-    /// the engine then opens every session on it again, with its taps. Default: never.
+    /// the engine then opens every session on it again, with its taps. Default: never. A proposer
+    /// that wraps another must forward it.
     fn incarnation(&self) -> u64 {
         0
     }

@@ -486,6 +486,12 @@ impl Proposer for Metered {
         self.inner.health()
     }
 
+    // Without this the engine never sees a respawn behind the meter and keeps drafting for
+    // sessions the new process does not know.
+    fn incarnation(&self) -> u64 {
+        self.inner.incarnation()
+    }
+
     fn close(&mut self, session: SessionId) {
         self.inner.close(session);
     }
