@@ -63,6 +63,9 @@ fn taps_reach_a_drafter_from_the_real_model() {
         "One, two, three, four,",
         24,
         &[
+            // A fixed k: rounds commit drafts whatever the controller would choose (it may
+            // choose k = 0 throughout on a loaded machine, which delivers taps by Advance only).
+            "--fixed-draft",
             "--drafter",
             "chaos-drafter",
             "--drafter-arg=--mode",

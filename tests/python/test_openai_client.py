@@ -113,7 +113,7 @@ def test_bad_request_raises(client, model):
         ({"frequency_penalty": -3.0}, "frequency_penalty"),
         ({"logit_bias": {"1": 200}}, "logit_bias"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ],
 )
