@@ -5,14 +5,13 @@
 //! rejection sampling keeps the target's distribution.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use assistant::drafter::AssistantDrafter;
 use dflash::WeightsSource;
 use specula_models::loader::{load, LoadOptions, LoadedModel};
 use specula_models::sampling::SamplingParams;
-use specula_tests::bin_path;
 use specula_tests::tiny::write_tiny_tokenizer;
+use specula_tests::{bin_path, cli_generate_json, json_ids};
 use target_host::drafter::InProcess;
 use target_host::drafter_args::target_info;
 use target_host::engine::EngineConfig;
@@ -142,30 +141,10 @@ fn assistant_sampling_keeps_the_target_distribution() {
 
 /// `target-host generate --json` on the tiny gemma4; returns (ids, drafted).
 fn cli(model: &Path, extra: &[&str]) -> (Vec<u32>, u64) {
-    let out = Command::new(bin_path("target-host"))
-        .args([
-            "generate",
-            "--json",
-            "--max-tokens",
-            "30",
-            "--prompt",
-            "t5 t17 t33 t8 t90",
-        ])
-        .arg("--model")
-        .arg(model)
-        .args(extra)
-        .output()
-        .expect("run target-host");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "target-host failed: {stderr}");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("--json output");
-    let ids = v["token_ids"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no token_ids in {v}; stderr {stderr}"))
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect();
-    (ids, v["stats"]["drafted"].as_u64().unwrap_or(0))
+    let model = model.to_str().expect("utf-8 path");
+    let v = cli_generate_json(model, "prompt", "t5 t17 t33 t8 t90", 30, extra);
+    let drafted = v["stats"]["drafted"].as_u64().unwrap_or(0);
+    (json_ids(&v, "token_ids"), drafted)
 }
 
 /// The drafter process, K/V rows over shared memory: greedy output unchanged, drafts made.

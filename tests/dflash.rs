@@ -12,7 +12,6 @@
 //!   undisturbed drafter proposes. The respawn after a kill runs the real processes
 //!   (`chaos::dflash_respawn_*`).
 
-use std::process::Command;
 use std::sync::{Arc, Mutex};
 
 use dflash::{DFlash, Options, WeightsSource};
@@ -27,7 +26,7 @@ use specula_protocol::sdk::{
 use specula_protocol::shm::{ShmReader, ShmWriter, TensorRef, TensorView};
 use specula_tests::stats::{chi_square, critical};
 use specula_tests::tiny::write_tiny_tokenizer;
-use specula_tests::{bin_path, model_path, workspace_root};
+use specula_tests::{bin_path, cli_generate_json, json_ids, model_path, workspace_root};
 use target_host::drafter::InProcess;
 use target_host::drafter_args::target_info;
 use target_host::engine::EngineConfig;
@@ -60,30 +59,10 @@ const PROMPTS: &[(&str, &str)] = &[
 /// `target-host generate --json` with `extra`; returns (generated ids, accepted drafts).
 fn generate(kind: &str, text: &str, extra: &[&str]) -> (Vec<u32>, u64) {
     let model = model_path("smollm2-135m");
-    let out = Command::new(bin_path("target-host"))
-        .args([
-            "generate",
-            "--json",
-            "--max-tokens",
-            &MAX_TOKENS.to_string(),
-        ])
-        .arg("--model")
-        .arg(&model)
-        .arg(format!("--{kind}"))
-        .arg(text)
-        .args(extra)
-        .output()
-        .expect("run target-host");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "target-host failed: {stderr}");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("--json output");
-    let ids = v["token_ids"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no token_ids in {v}; stderr {stderr}"))
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect();
-    (ids, v["stats"]["accepted"].as_u64().unwrap_or(0))
+    let model = model.to_str().expect("utf-8 path");
+    let v = cli_generate_json(model, kind, text, MAX_TOKENS, extra);
+    let accepted = v["stats"]["accepted"].as_u64().unwrap_or(0);
+    (json_ids(&v, "token_ids"), accepted)
 }
 
 fn check(kind_arg: &str) {

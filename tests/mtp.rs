@@ -4,7 +4,6 @@
 //! own checkpoint); sampled output keeps the target's distribution (chi-square).
 
 use std::collections::HashMap;
-use std::process::Command;
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
@@ -16,7 +15,7 @@ use specula_models::testing::TinyModel;
 use specula_models::WeightDType;
 use specula_tests::stats::{chi_square, critical};
 use specula_tests::tiny::write_tiny_tokenizer;
-use specula_tests::{bin_path, model_path};
+use specula_tests::{bin_path, cli_generate_json, json_ids, model_path};
 use target_host::drafter::{ClientConfig, DrafterClient, DrafterSpec};
 use target_host::drafter_args::target_info;
 use target_host::engine::EngineConfig;
@@ -40,30 +39,10 @@ const PROMPTS: &[(&str, &str)] = &[
 
 /// `target-host generate --json` on `model` with `extra`; returns (generated ids, accepted).
 fn cli_run(model: &std::path::Path, kind: &str, text: &str, extra: &[&str]) -> (Vec<u32>, u64) {
-    let out = Command::new(bin_path("target-host"))
-        .args([
-            "generate",
-            "--json",
-            "--max-tokens",
-            &MAX_TOKENS.to_string(),
-        ])
-        .arg("--model")
-        .arg(model)
-        .arg(format!("--{kind}"))
-        .arg(text)
-        .args(extra)
-        .output()
-        .expect("run target-host");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "target-host failed: {stderr}");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("--json output");
-    let ids = v["token_ids"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no token_ids in {v}; stderr {stderr}"))
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect();
-    (ids, v["stats"]["accepted"].as_u64().unwrap_or(0))
+    let model = model.to_str().expect("utf-8 path");
+    let v = cli_generate_json(model, kind, text, MAX_TOKENS, extra);
+    let accepted = v["stats"]["accepted"].as_u64().unwrap_or(0);
+    (json_ids(&v, "token_ids"), accepted)
 }
 
 #[test]

@@ -57,18 +57,18 @@ pub fn bin_path(name: &str) -> PathBuf {
     path
 }
 
-/// Runs `target-host generate --json --model MODEL --KIND TEXT EXTRA...` (KIND: `prompt` or
-/// `chat`) and returns (prompt ids, generated ids).
+/// Runs `target-host generate --json --model MODEL --max-tokens N --KIND TEXT EXTRA...` (KIND:
+/// `prompt` or `chat`) and returns its JSON (`prompt_ids`, `token_ids`, `stats`).
 ///
 /// # Panics
 /// When the command fails or prints no JSON.
-pub fn cli_generate(
+pub fn cli_generate_json(
     model: &str,
     kind: &str,
     text: &str,
     max_tokens: usize,
     extra: &[&str],
-) -> (Vec<u32>, Vec<u32>) {
+) -> serde_json::Value {
     let out = Command::new(bin_path("target-host"))
         .args(["generate", "--model", model, "--json", "--max-tokens"])
         .arg(max_tokens.to_string())
@@ -82,13 +82,33 @@ pub fn cli_generate(
         "target-host generate failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("--json output");
-    let ids = |k: &str| -> Vec<u32> {
-        v[k].as_array()
-            .unwrap_or_else(|| panic!("{k} in {v}"))
-            .iter()
-            .map(|x| x.as_u64().expect("id") as u32)
-            .collect()
-    };
-    (ids("prompt_ids"), ids("token_ids"))
+    serde_json::from_slice(&out.stdout).expect("--json output")
+}
+
+/// The ids under `key` (`prompt_ids`, `token_ids`) of [`cli_generate_json`]'s output.
+///
+/// # Panics
+/// When `key` is not a list of ids.
+pub fn json_ids(v: &serde_json::Value, key: &str) -> Vec<u32> {
+    v[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("no {key} in {v}"))
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+/// [`cli_generate_json`], returning (prompt ids, generated ids).
+///
+/// # Panics
+/// When the command fails or prints no JSON.
+pub fn cli_generate(
+    model: &str,
+    kind: &str,
+    text: &str,
+    max_tokens: usize,
+    extra: &[&str],
+) -> (Vec<u32>, Vec<u32>) {
+    let v = cli_generate_json(model, kind, text, max_tokens, extra);
+    (json_ids(&v, "prompt_ids"), json_ids(&v, "token_ids"))
 }
