@@ -12,7 +12,7 @@ use specula_protocol::wire::TargetInfo;
 use specula_tests::bin_path;
 use specula_tests::proposers::draft;
 use target_host::drafter::{ClientConfig, DrafterClient, DrafterError, DrafterSpec, DrafterState};
-use target_host::proposer::{Proposer, TapRows, Verdict};
+use target_host::proposer::{Health, Proposer, TapRows, Verdict};
 
 const VOCAB: u32 = 1000;
 
@@ -246,6 +246,45 @@ fn deadline_miss_gives_an_empty_draft_and_the_late_reply_is_dropped() {
         DrafterState::Ready,
         "slowness alone is not a restart"
     );
+}
+
+/// A late drafter is paced: a miss halves its drafts, a second stops them (degraded); then one
+/// probe at a time goes out, never waited for; once it answers in time it drafts again, the
+/// budget doubling back to healthy.
+#[test]
+fn a_late_drafter_stops_being_asked_and_recovers_when_it_answers_in_time() {
+    let config = ClientConfig {
+        draft_deadline: Duration::from_millis(100),
+        ..config()
+    };
+    // Late (600 ms) for its first two draft requests, then at once.
+    let args = ["--sleep-ms", "600", "--late-for", "2"];
+    let mut c = chaos("sleep-past-deadline", &args, config).unwrap();
+    c.open(1, &[1, 2, 3], &greedy(), None);
+    assert_eq!(c.health(), Health::Healthy);
+    assert!(draft(&mut c, 1, 4).tokens.is_empty(), "miss 1");
+    assert_eq!(c.health(), Health::Degraded, "a miss lowers the budget");
+    assert!(draft(&mut c, 1, 4).tokens.is_empty(), "miss 2");
+    let sent = c.stats().requests;
+    // Stopped: a probe goes out and is not waited for (no further miss); while it is out,
+    // nothing more is sent.
+    for _ in 0..5 {
+        assert!(draft(&mut c, 1, 4).tokens.is_empty());
+    }
+    let stats = c.stats();
+    assert_eq!(stats.requests, sent + 1, "one probe at a time");
+    assert_eq!(stats.deadline_misses, 2, "probes are never waited for");
+    assert_eq!(c.health(), Health::Degraded);
+    // The backlog (two late replies, then the probe's) drains; the drafter is prompt now.
+    std::thread::sleep(Duration::from_millis(1500));
+    let lens: Vec<usize> = (0..4).map(|_| draft(&mut c, 1, 4).tokens.len()).collect();
+    assert_eq!(
+        lens,
+        vec![1, 2, 4, 4],
+        "drafting resumes at one, doubling back"
+    );
+    assert_eq!(c.health(), Health::Healthy);
+    assert_eq!(c.stats().late_replies, 2);
 }
 
 #[test]

@@ -32,6 +32,7 @@ use specula_protocol::wire::{
 use tracing::{debug, warn};
 
 use super::handshake::Connection;
+use super::pace::Pace;
 use super::supervisor::Supervisor;
 use super::validate::validate_rows;
 use super::{ClientConfig, DrafterError, DrafterSpec, DrafterState, DrafterStats};
@@ -380,9 +381,9 @@ impl Proposer for DrafterClient {
             return empty;
         }
         self.check_probe();
-        let budget = self.pace.budget;
+        let budget = self.pace.budget();
         let probing = budget == 0;
-        if probing && self.pace.probe.is_some() {
+        if probing && self.pace.probing() {
             // A probe is out: wait for it (never for longer than now) before asking again.
             return empty;
         }
@@ -428,13 +429,13 @@ impl Proposer for DrafterClient {
             }
         };
         self.stats.requests += 1;
+        let deadline = batch.deadline.min(self.config.draft_deadline);
         if probing {
             // Nobody waits for a probe: its round trip, read on a later step, decides whether
             // the drafter is back in time.
-            self.pace.probe = Some((seq, sent_at, batch.deadline));
+            self.pace.probe_sent(seq, sent_at, deadline);
             return empty;
         }
-        let deadline = batch.deadline.min(self.config.draft_deadline);
         let Some(drafted) = self.recv(seq, sent_at + deadline) else {
             self.pace.missed();
             return empty;
@@ -590,21 +591,18 @@ impl DrafterClient {
 
     /// A reply that came after its deadline; the probe's decides whether the drafter recovers.
     fn late(&mut self, seq: u64) {
-        match self.pace.probe {
-            Some((probe, sent, deadline)) if probe == seq => {
-                self.pace.probe = None;
-                if sent.elapsed() <= deadline {
-                    self.pace.budget = 1;
-                    debug!(drafter = %self.name, "probe answered in time; drafting again");
-                }
+        match self.pace.reply(seq) {
+            true if self.pace.budget() > 0 => {
+                debug!(drafter = %self.name, "probe answered in time; drafting again")
             }
-            _ => self.stats.late_replies += 1,
+            true => {}
+            false => self.stats.late_replies += 1,
         }
     }
 
     /// Reads replies that arrived since the last call without waiting (a probe's answer).
     fn check_probe(&mut self) {
-        while self.pace.probe.is_some() {
+        while self.pace.probing() {
             let Some(conn) = self.sup.connection() else {
                 return;
             };
@@ -620,7 +618,10 @@ impl DrafterClient {
                         .restart(&format!("the drafter said goodbye: {reason}"));
                     return;
                 }
-                Err(TryRecvError::Empty) => return,
+                Err(TryRecvError::Empty) => {
+                    self.pace.no_reply(Instant::now());
+                    return;
+                }
                 Err(TryRecvError::IpcError(e)) => {
                     self.sup
                         .restart(&format!("the drafter's channel failed: {e}"));
@@ -634,43 +635,5 @@ impl DrafterClient {
 impl Drop for DrafterClient {
     fn drop(&mut self) {
         self.sup.stop();
-    }
-}
-
-/// How much a drafter may draft, from how it has kept its deadlines: a miss halves the most
-/// drafts per row, a second miss in a row stops drafting; then one probe at a time (never
-/// waited for) tells whether it answers in time again, and every timely answer doubles the
-/// budget back up to the drafter's maximum.
-#[derive(Debug)]
-struct Pace {
-    budget: usize,
-    misses_in_row: u32,
-    probe: Option<(u64, Instant, std::time::Duration)>,
-}
-
-impl Pace {
-    fn new(max: usize) -> Self {
-        Pace {
-            budget: max,
-            misses_in_row: 0,
-            probe: None,
-        }
-    }
-
-    fn missed(&mut self) {
-        self.misses_in_row += 1;
-        self.budget = match self.misses_in_row {
-            1 => self.budget / 2,
-            _ => 0,
-        };
-    }
-
-    fn answered(&mut self, max: usize) {
-        self.misses_in_row = 0;
-        self.budget = (self.budget * 2).clamp(1, max.max(1));
-    }
-
-    fn degraded(&self, max: usize) -> bool {
-        self.budget < max
     }
 }

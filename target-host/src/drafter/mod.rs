@@ -5,6 +5,7 @@
 //! - [`handshake`]: bootstrap, version negotiation, `Welcome`, shared-memory region, ping.
 //! - [`supervisor`]: the [`DrafterState`] machine, respawn with exponential backoff.
 //! - [`client`]: the `Proposer` implementation: deadlines, reply validation, taps, counters.
+//! - [`pace`]: how much a drafter may draft from how it kept its deadlines (health).
 //! - [`inprocess`]: an SDK drafter run inside the host, for benchmarks and tests.
 //!
 //! The protocol itself lives in `specula_protocol` (see `protocol/README.md`).
@@ -12,6 +13,7 @@
 pub mod client;
 pub mod handshake;
 pub mod inprocess;
+pub mod pace;
 pub mod process;
 pub mod supervisor;
 pub(crate) mod validate;

@@ -4,7 +4,9 @@
 //! - **Cost**: [`CostTable`] maps the rows of one target forward to its time, profiled at
 //!   start-up and kept current by every step (an EMA per size bucket, interpolated between
 //!   buckets, made non-decreasing). Drafting costs its measured latency (IPC and the drafter's
-//!   own step) whenever any sequence drafts.
+//!   own step), measured per drafter and per longest row asked ([`DraftCost`]: the median of
+//!   the last few calls, so one slow call — a cold start, a missed deadline — does not shut a
+//!   good drafter off), whenever any sequence drafts.
 //! - **Acceptance**: each sequence keeps an exponentially forgotten count of judged draft slots
 //!   ([`Acceptance`]): a round of k drafts with a accepted is a accepts and, when a < k, one
 //!   rejection (the first rejection ends the round: a truncated geometric). Its estimate is
@@ -19,12 +21,26 @@
 //!   expected to pay.
 //! - **Hysteresis**: the last total is kept unless another beats it by [`HYSTERESIS`], so the
 //!   choice does not flap at a threshold (vLLM #49548's collapse).
+//! - **Exploration**: while drafting does not pay, what is known of it stops changing, so
+//!   after [`EXPLORE_MIN`] steps without drafts one sequence drafts one token anyway; each
+//!   probe that changes nothing doubles the wait (up to [`EXPLORE_MAX`] steps), which bounds
+//!   its cost to a fraction of a percent, and a drafter that became fast or accurate (or a
+//!   stalled one that answers in time again) is found.
 //!
 //! Whatever k is chosen, every committed token comes from the target's verification, so the
 //! controller changes speed only.
 
 /// How much better (relative goodput) a new total draft count must be to replace the last.
 pub const HYSTERESIS: f64 = 0.05;
+
+/// Steps without drafts before the first exploration draft.
+pub const EXPLORE_MIN: usize = 16;
+
+/// The longest wait, in steps, between exploration drafts.
+pub const EXPLORE_MAX: usize = 1024;
+
+/// Draft calls remembered per longest row asked.
+const DRAFT_SAMPLES: usize = 5;
 
 /// Forgetting factor of a sequence's acceptance counts, per judged round.
 const FORGET: f64 = 0.9;
@@ -138,6 +154,55 @@ impl CostTable {
     }
 }
 
+/// Draft latency (ms) as a function of the longest row asked, from the last
+/// [`DRAFT_SAMPLES`] calls at each length.
+#[derive(Debug, Clone, Default)]
+pub struct DraftCost {
+    /// Index k - 1: the recent calls whose longest row asked k drafts.
+    by_k: Vec<std::collections::VecDeque<f64>>,
+}
+
+impl DraftCost {
+    /// Folds in a call whose longest row asked `k` drafts and took `ms`.
+    pub fn observe(&mut self, k: usize, ms: f64) {
+        if k == 0 || !ms.is_finite() || ms < 0.0 {
+            return;
+        }
+        if self.by_k.len() < k {
+            self.by_k.resize_with(k, Default::default);
+        }
+        let ring = &mut self.by_k[k - 1];
+        if ring.len() == DRAFT_SAMPLES {
+            ring.pop_front();
+        }
+        ring.push_back(ms);
+    }
+
+    fn median(ring: &std::collections::VecDeque<f64>) -> Option<f64> {
+        let mut v: Vec<f64> = ring.iter().copied().collect();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied()
+    }
+
+    /// Estimated ms of a call whose longest row asks `k` drafts (0 for k = 0): the largest
+    /// median measured at `k` or below, else the nearest measured above, else 0 (nothing
+    /// measured yet: the first draft finds out).
+    pub fn estimate(&self, k: usize) -> f64 {
+        if k == 0 {
+            return 0.0;
+        }
+        let medians: Vec<Option<f64>> = self.by_k.iter().map(Self::median).collect();
+        let below = medians.iter().take(k).flatten().copied().reduce(f64::max);
+        let above = || medians.iter().skip(k).flatten().copied().next();
+        below.or_else(above).unwrap_or(0.0)
+    }
+
+    /// Whether any call was measured.
+    pub fn is_measured(&self) -> bool {
+        self.by_k.iter().any(|r| !r.is_empty())
+    }
+}
+
 /// A sequence's record of how its drafts fared.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Acceptance {
@@ -185,9 +250,13 @@ pub struct Controller {
     pub cost: CostTable,
     /// Drafter-wide acceptance (the prior of every sequence).
     pub global: Acceptance,
-    /// Measured draft latency (ms, EMA); `None` before the first draft.
-    pub draft_ms: Option<f64>,
+    /// Measured draft latency of the current drafter.
+    pub draft: DraftCost,
     last_total: usize,
+    /// Steps in a row without drafts while some sequence could draft.
+    idle_steps: usize,
+    /// Idle steps before the next exploration draft.
+    explore_every: usize,
 }
 
 impl Controller {
@@ -196,8 +265,10 @@ impl Controller {
         Controller {
             cost,
             global: Acceptance::default(),
-            draft_ms: None,
+            draft: DraftCost::default(),
             last_total: 0,
+            idle_steps: 0,
+            explore_every: EXPLORE_MIN,
         }
     }
 
@@ -207,19 +278,18 @@ impl Controller {
         self.global.alpha(0.8)
     }
 
-    /// Folds in a measured draft call.
-    pub fn observe_draft(&mut self, ms: f64) {
-        self.draft_ms = Some(match self.draft_ms {
-            None => ms,
-            Some(old) => 0.8 * old + 0.2 * ms,
-        });
+    /// Folds in a measured draft call whose longest row asked `k` drafts.
+    pub fn observe_draft(&mut self, k: usize, ms: f64) {
+        self.draft.observe(k, ms);
     }
 
     /// A new drafter (hot swap): what was learned about the old one no longer holds.
     pub fn reset_drafter(&mut self) {
         self.global = Acceptance::default();
-        self.draft_ms = None;
+        self.draft = DraftCost::default();
         self.last_total = 0;
+        self.idle_steps = 0;
+        self.explore_every = EXPLORE_MIN;
     }
 
     /// Each candidate's k for a step that already runs `rows` rows, with at most `room` draft
@@ -241,15 +311,17 @@ impl Controller {
             next[i] *= cands[i].alpha;
         }
         let base_tokens = cands.len() as f64;
-        let draft_ms = self.draft_ms.unwrap_or(0.0);
         let mut gain = base_tokens;
         let mut weight: Vec<f64> = cands.iter().map(|c| c.alpha).collect();
         let mut goodput = vec![base_tokens / self.cost.cost(rows)];
+        let (mut given, mut longest) = (vec![0usize; cands.len()], 0);
         for &i in &order {
             gain += weight[i];
             weight[i] *= cands[i].alpha;
+            given[i] += 1;
+            longest = longest.max(given[i]);
             let m = goodput.len();
-            goodput.push(gain / (self.cost.cost(rows + m) + draft_ms));
+            goodput.push(gain / (self.cost.cost(rows + m) + self.draft.estimate(longest)));
         }
         let best = (0..goodput.len())
             .max_by(|&a, &b| goodput[a].total_cmp(&goodput[b]))
@@ -260,10 +332,31 @@ impl Controller {
             false => keep,
         };
         self.last_total = total;
+        let total = match (total, order.is_empty()) {
+            (0, false) => self.explore(),
+            (0, true) => 0,
+            _ => {
+                self.idle_steps = 0;
+                self.explore_every = EXPLORE_MIN;
+                total
+            }
+        };
         for &i in &order[..total] {
             k[i] += 1;
         }
         k
+    }
+
+    /// A step in which drafting does not pay: 1 (one exploration draft) once enough such steps
+    /// went by, else 0. The hysteresis keeps its choice of none.
+    fn explore(&mut self) -> usize {
+        self.idle_steps += 1;
+        if self.idle_steps < self.explore_every {
+            return 0;
+        }
+        self.idle_steps = 0;
+        self.explore_every = (self.explore_every * 2).min(EXPLORE_MAX);
+        1
     }
 }
 
@@ -376,14 +469,99 @@ mod tests {
     }
 
     #[test]
-    fn a_slow_drafter_drafts_less() {
-        let mut fast = Controller::new(cpu());
-        fast.observe_draft(0.5);
+    fn a_slow_drafter_drafts_nothing_and_a_fast_accurate_one_drafts() {
+        // A learned drafter on this CPU: 25 ms a call against a 10 ms decode step.
         let mut slow = Controller::new(cpu());
-        slow.observe_draft(40.0);
-        let kf = fast.allocate(1, 16, &cands(&[0.9], 8))[0];
-        let ks = slow.allocate(1, 16, &cands(&[0.9], 8))[0];
-        assert!(kf > ks, "fast {kf} slow {ks}");
+        for k in 1..=4 {
+            slow.observe_draft(k, 25.0);
+        }
+        assert_eq!(slow.allocate(1, 16, &cands(&[0.9], 4)), vec![0]);
+        // ngram: well under a millisecond; accurate drafts pay even on a CPU.
+        let mut fast = Controller::new(cpu());
+        for k in 1..=4 {
+            fast.observe_draft(k, 0.3);
+        }
+        let k = fast.allocate(1, 16, &cands(&[0.9], 4))[0];
+        assert!(k > 0, "fast and accurate: {k}");
+        // The same drafter, slower: fewer drafts, never more.
+        let mut mid = Controller::new(cpu());
+        for k in 1..=4 {
+            mid.observe_draft(k, 6.0);
+        }
+        let km = mid.allocate(1, 16, &cands(&[0.9], 4))[0];
+        assert!(km <= k, "mid {km} fast {k}");
+    }
+
+    #[test]
+    fn draft_cost_is_per_length_and_one_slow_call_does_not_count() {
+        let mut d = DraftCost::default();
+        assert_eq!(
+            d.estimate(3),
+            0.0,
+            "nothing measured: free, so the first draft finds out"
+        );
+        assert!(!d.is_measured());
+        for ms in [2.0, 2.2, 300.0, 1.8, 2.1] {
+            d.observe(1, ms);
+        }
+        assert_eq!(d.estimate(1), 2.1, "the median ignores the cold start");
+        d.observe(4, 8.0);
+        assert_eq!(d.estimate(4), 8.0);
+        assert_eq!(d.estimate(2), 2.1, "unmeasured: the largest measured below");
+        assert_eq!(d.estimate(6), 8.0);
+        assert_eq!(d.estimate(0), 0.0);
+        let mut only_long = DraftCost::default();
+        only_long.observe(4, 8.0);
+        assert_eq!(
+            only_long.estimate(1),
+            8.0,
+            "only longer measured: the nearest above"
+        );
+        // A two-model drafter (latency per drafted token): shorter rows get chosen.
+        let mut c = Controller::new(gpu());
+        for k in 1..=8 {
+            c.observe_draft(k, 3.0 * k as f64);
+        }
+        let k = c.allocate(1, 16, &cands(&[0.8], 8))[0];
+        assert!(k > 0 && k < 8, "{k}");
+    }
+
+    #[test]
+    fn exploration_drafts_once_in_a_while_and_backs_off() {
+        let mut c = Controller::new(cpu());
+        for k in 1..=4 {
+            c.observe_draft(k, 25.0);
+        }
+        let one = cands(&[0.9], 4);
+        let mut explored = Vec::new();
+        for step in 1..=16 * 7 {
+            if c.allocate(1, 16, &one) == vec![1] {
+                explored.push(step);
+            }
+        }
+        // After 16 idle steps, then 32, then 64: the wait doubles.
+        assert_eq!(explored, vec![16, 48, 112]);
+        // Drafting pays again (the drafter is fast now): chosen at once, and the wait resets.
+        for k in 1..=4 {
+            for _ in 0..DRAFT_SAMPLES {
+                c.observe_draft(k, 0.3);
+            }
+        }
+        assert!(c.allocate(1, 16, &one)[0] > 0);
+        for k in 1..=4 {
+            for _ in 0..DRAFT_SAMPLES {
+                c.observe_draft(k, 25.0);
+            }
+        }
+        let first = (1..=EXPLORE_MAX)
+            .find(|_| c.allocate(1, 16, &one) == vec![1])
+            .expect("explores");
+        assert_eq!(first, EXPLORE_MIN, "the back-off restarted");
+        // Nothing to explore: no candidate may draft.
+        let mut idle = Controller::new(cpu());
+        for _ in 0..100 {
+            assert_eq!(idle.allocate(1, 16, &cands(&[0.9], 0)), vec![0]);
+        }
     }
 
     #[test]

@@ -152,6 +152,9 @@ pub struct Counters {
     prefix_lookups: AtomicU64,
     prefix_hit_tokens: AtomicU64,
     refused: AtomicU64,
+    step_us: AtomicU64,
+    forward_us: AtomicU64,
+    draft_us: AtomicU64,
 }
 
 /// A reading of [`Counters`].
@@ -189,6 +192,13 @@ pub struct EngineCounters {
     pub prefix_hit_tokens: u64,
     /// Requests refused (queue full).
     pub refused: u64,
+    /// Time in steps, µs (the split below, plus the host's own work: planning,
+    /// verification, commits, drafter messages, detokenization).
+    pub step_us: u64,
+    /// Time in target forwards, µs.
+    pub forward_us: u64,
+    /// Time waiting for drafts, µs.
+    pub draft_us: u64,
 }
 
 impl Counters {
@@ -231,6 +241,14 @@ impl Counters {
         self.finished.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Where one step's time went (ms).
+    fn time(&self, step: f64, forward: f64, draft: f64) {
+        let us = |ms: f64| (ms * 1e3).max(0.0) as u64;
+        self.step_us.fetch_add(us(step), Ordering::Relaxed);
+        self.forward_us.fetch_add(us(forward), Ordering::Relaxed);
+        self.draft_us.fetch_add(us(draft), Ordering::Relaxed);
+    }
+
     /// The counters now.
     pub fn snapshot(&self) -> EngineCounters {
         let r = |a: &AtomicUsize| a.load(Ordering::Relaxed);
@@ -252,6 +270,9 @@ impl Counters {
             prefix_lookups: q(&self.prefix_lookups),
             prefix_hit_tokens: q(&self.prefix_hit_tokens),
             refused: q(&self.refused),
+            step_us: q(&self.step_us),
+            forward_us: q(&self.forward_us),
+            draft_us: q(&self.draft_us),
         }
     }
 }
@@ -553,7 +574,7 @@ pub type EngineSeries = (&'static str, SeriesKind, &'static str, f64);
 
 impl EngineCounters {
     /// The counters as metric series, in a fixed order (the same names at every call).
-    pub fn series(&self) -> [EngineSeries; 15] {
+    pub fn series(&self) -> [EngineSeries; 18] {
         [
             (
                 "specula_engine_running",
@@ -644,6 +665,24 @@ impl EngineCounters {
                 SeriesKind::Counter,
                 "Requests refused with 429 (queue full).",
                 self.refused as f64,
+            ),
+            (
+                "specula_engine_step_seconds_total",
+                SeriesKind::Counter,
+                "Time in engine steps (forward, drafting and the host's own work).",
+                self.step_us as f64 / 1e6,
+            ),
+            (
+                "specula_engine_forward_seconds_total",
+                SeriesKind::Counter,
+                "Time in target forwards.",
+                self.forward_us as f64 / 1e6,
+            ),
+            (
+                "specula_engine_draft_seconds_total",
+                SeriesKind::Counter,
+                "Time waiting for drafts.",
+                self.draft_us as f64 / 1e6,
             ),
         ]
     }

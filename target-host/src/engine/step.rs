@@ -163,6 +163,7 @@ impl<'a> Core<'a> {
     /// # Errors
     /// Only on a broken invariant; a failed forward fails the sequences in it, not the engine.
     pub fn step(&mut self) -> anyhow::Result<()> {
+        let started = Instant::now();
         self.reap();
         self.admit_waiting();
         let (swapped, proposer) = {
@@ -176,11 +177,14 @@ impl<'a> Core<'a> {
         let mut parts = self.plan(proposer);
         self.resync_taps(&parts)?;
         let draft_ms = self.draft(&mut parts);
+        let mut forward_ms = 0.0;
         if !parts.is_empty() {
-            self.run(parts, draft_ms);
+            forward_ms = self.run(parts, draft_ms);
         }
         self.reap();
         self.publish();
+        let step_ms = started.elapsed().as_secs_f64() * 1e3;
+        self.counters.time(step_ms, forward_ms, draft_ms);
         Ok(())
     }
 
@@ -379,7 +383,8 @@ impl<'a> Core<'a> {
             })
         };
         let ms = started.elapsed().as_secs_f64() * 1e3;
-        self.controller.observe_draft(ms);
+        let longest = asks.iter().map(|a| a.n).max().unwrap_or(0);
+        self.controller.observe_draft(longest, ms);
         let mut drafts = drafts.into_iter();
         for p in parts.iter_mut() {
             if let PartKind::Decode { asked, draft } = &mut p.kind {
@@ -435,8 +440,8 @@ impl<'a> Core<'a> {
         }
     }
 
-    /// The forward and everything after it.
-    fn run(&mut self, parts: Vec<Part>, draft_ms: f64) {
+    /// The forward and everything after it; returns the forward's time (ms).
+    fn run(&mut self, parts: Vec<Part>, draft_ms: f64) -> f64 {
         let work: Vec<Rows> = parts.iter().map(|p| self.rows(p)).collect();
         let n_rows: usize = work.iter().map(|r| r.tokens.len()).sum();
         let wants = self.drafting.wants().clone();
@@ -461,6 +466,7 @@ impl<'a> Core<'a> {
                         live.error = Some(format!("{e:#}"));
                     }
                 }
+                forward_ms
             }
             Err(e) => {
                 warn!("target forward failed: {e:#}");
@@ -470,6 +476,7 @@ impl<'a> Core<'a> {
                     let _ = self.target.truncate(live.seq.session(), live.seq.computed);
                     live.error = Some(format!("{e:#}"));
                 }
+                0.0
             }
         }
     }

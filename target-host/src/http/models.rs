@@ -9,6 +9,7 @@ use axum::Json;
 use super::error::ApiError;
 use super::openai_types::{ModelCard, ModelList};
 use super::AppState;
+use crate::proposer::Health;
 
 fn card(state: &AppState) -> ModelCard {
     ModelCard {
@@ -55,12 +56,19 @@ pub async fn retrieve(
     Ok(Json(card(&state)))
 }
 
-/// `GET /health`: 200 with the queue depth and whether a drafter is installed.
+/// `GET /health`: 200 with the queue depth, the drafter installed and its health
+/// (`"degraded"` while it misses deadlines or restarts: the engine drafts less with it, or
+/// not at all, until it answers in time again; `null` without a drafter).
 pub async fn health(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    let drafter_health = state.engine.drafter_health().map(|h| match h {
+        Health::Healthy => "healthy",
+        Health::Degraded => "degraded",
+    });
     Json(serde_json::json!({
         "status": "ok",
         "model": state.model_name,
         "queue_depth": state.engine.queue_depth(),
         "drafter": state.admin.current_name(),
+        "drafter_health": drafter_health,
     }))
 }

@@ -5,7 +5,8 @@
 //! `chaos-drafter --mode MODE [--out FILE] [--after N] [--sleep-ms MS]`, modes:
 //! - `random-ids`: valid but random ids;
 //! - `oov-ids`: ids at or past the vocabulary size;
-//! - `sleep-past-deadline`: replies correctly, `--sleep-ms` late (default 500);
+//! - `sleep-past-deadline`: replies correctly, `--sleep-ms` late (default 500); with
+//!   `--late-for N`, only the first N draft requests are late (then it answers at once);
 //! - `exit-mid-request`: exits (status 1) on the draft request after `--after` (default 0) good ones;
 //! - `wrong-major`: speaks only protocol 2.0;
 //! - `too-many`: proposes `n + 3` ids;
@@ -39,6 +40,7 @@ struct Args {
     out: Option<String>,
     after: u64,
     sleep_ms: u64,
+    late_for: Option<u64>,
     rows: bool,
     crash_once: Option<String>,
 }
@@ -49,6 +51,7 @@ fn parse() -> Result<Args> {
         out: None,
         after: 0,
         sleep_ms: 500,
+        late_for: None,
         rows: false,
         crash_once: None,
     };
@@ -64,6 +67,7 @@ fn parse() -> Result<Args> {
             "--out" => args.out = Some(value),
             "--after" => args.after = value.parse().context("--after")?,
             "--sleep-ms" => args.sleep_ms = value.parse().context("--sleep-ms")?,
+            "--late-for" => args.late_for = Some(value.parse().context("--late-for")?),
             "--crash-once" => args.crash_once = Some(value),
             _ => bail!("unknown flag {flag}"),
         }
@@ -285,7 +289,7 @@ fn run() -> Result<()> {
                 if !d.rows.is_empty() {
                     drafts += 1;
                     match args.mode.as_str() {
-                        "sleep-past-deadline" => {
+                        "sleep-past-deadline" if args.late_for.is_none_or(|n| drafts <= n) => {
                             std::thread::sleep(Duration::from_millis(args.sleep_ms))
                         }
                         "exit-mid-request" if drafts > args.after => std::process::exit(1),
