@@ -17,7 +17,7 @@ use specula_tests::tiny::tiny_loaded;
 use specula_tests::{bin_path, model_path};
 use target_host::drafter::{ClientConfig, DrafterClient, DrafterSpec};
 use target_host::drafter_args::target_info;
-use target_host::engine::{Core, Engine, EngineConfig, Event, Refusal, Sink};
+use target_host::engine::{Core, Counters, Engine, EngineConfig, Event, Refusal, Sink};
 use target_host::generation::{
     generate, Flow, Generation, GenerationRequest, Speculation, TokenEvent,
 };
@@ -319,6 +319,80 @@ fn admission_is_bounded_and_cancellation_frees_the_pool() {
     }
     let g = done.expect("done").expect("ok");
     assert!(!g.token_ids.is_empty() && g.token_ids.len() <= 4);
+}
+
+/// 32 streams that each ask for the whole context, against a pool of 4 contexts: never more
+/// than 4 run, the pool is never over-reserved nor over-filled, 16 wait in the bounded queue and
+/// all of them finish (each as its solo plain run), the other 16 are refused as busy.
+#[test]
+fn streams_at_the_whole_context_stay_within_the_pool() {
+    let (_dir, loaded) = tiny_loaded("llama", 2);
+    let ctx = loaded.model.context_len();
+    let config = EngineConfig {
+        max_running: 8,
+        max_waiting: 16,
+        max_batch_tokens: 64,
+        kv_pool_tokens: 4 * ctx,
+        profile: false,
+        ..EngineConfig::default()
+    };
+    let reqs: Vec<GenerationRequest> = (0..32u32)
+        .map(|i| {
+            request(
+                u64::from(i),
+                &[5 + i % 7, 6 + i % 5, 7],
+                ctx,
+                Speculation::Off,
+            )
+        })
+        .collect();
+    let results: Results = Arc::new(Mutex::new(vec![None; reqs.len()]));
+    let counters = Arc::new(Counters::default());
+    let slot = ProposerSlot::new(None);
+    let mut core = Core::with_counters(
+        &loaded.model,
+        &loaded.tokenizer,
+        &slot,
+        config,
+        counters.clone(),
+    )
+    .expect("core");
+    let mut accepted = Vec::new();
+    for (i, req) in reqs.iter().enumerate() {
+        let sink = Keep {
+            results: results.clone(),
+            i,
+        };
+        match core.admit(req.clone(), Box::new(sink)) {
+            Ok(()) => accepted.push(i),
+            Err(Refusal::Busy { .. }) => {}
+            Err(e) => panic!("refused for another reason: {e}"),
+        }
+    }
+    assert_eq!(accepted.len(), 16, "the queue's bound");
+    let (mut peak_running, mut steps) = (0, 0);
+    while core.has_work() {
+        core.step().expect("step");
+        let c = counters.snapshot();
+        assert!(c.pool_reserved <= c.pool_capacity, "over-reserved: {c:?}");
+        assert!(c.pool_used <= c.pool_capacity, "over-filled: {c:?}");
+        assert!(c.running <= 4, "more running than the pool holds: {c:?}");
+        peak_running = peak_running.max(c.running);
+        steps += 1;
+        assert!(steps < 100_000, "the streams do not finish");
+    }
+    drop(core);
+    assert_eq!(peak_running, 4, "the pool is used");
+    let results = results.lock().unwrap();
+    for &i in &accepted {
+        let g = results[i].clone().expect("reported").expect("generated");
+        assert_eq!(g.token_ids, solo_plain(&loaded, &reqs[i]), "stream {i}");
+    }
+    let refused = results
+        .iter()
+        .filter(|r| matches!(r, Some(Err(e)) if e.contains("busy")))
+        .count();
+    assert_eq!(refused, 16);
 }
 
 fn smollm_f32() -> LoadedModel {
