@@ -365,6 +365,7 @@ fn tap_rows(pos: usize, rows: usize, salt: f32) -> TapRows {
         layers: vec![fill(rows * hidden, 1.0), fill(rows * hidden, 2.0)],
         final_hidden: Some(fill(rows * hidden, 3.0)),
         kv: vec![(fill(rows * kv, 4.0), fill(rows * kv, 5.0))],
+        donor: None,
     }
 }
 
@@ -416,6 +417,7 @@ fn late_capabilities_replace_the_hellos_and_taps_follow_them() {
         layers: vec![(0..n * 8).map(|i| i as f32).collect()],
         final_hidden: Some((0..n * 8).map(|i| -(i as f32)).collect()),
         kv: vec![],
+        donor: None,
     };
     c.open(1, &[1, 2, 3], &greedy(), Some(&rows(0, 2)));
     draft(&mut c, 1, 2);

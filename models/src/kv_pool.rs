@@ -38,12 +38,14 @@
 //! - *Batching* (the engine): many sequences in one pool, admission by
 //!   [`KvPool::blocks_needed`] / [`KvPool::stats`], rollback of rejected drafts by
 //!   [`KvPool::truncate`], forking of a common prefix by [`KvPool::fork`].
-//! - *K/V donor views* (the assistant drafter): a reader needs only the arena, the block table
-//!   of a sequence and its length ([`KvPool::blocks`], [`KvPool::k_block`],
-//!   [`KvPool::v_block`]). The arena is one flat buffer addressed by block id, so it can move
-//!   into a memfd that the drafter maps read-only; a block is never rewritten while another
-//!   sequence references it, and rewrites of a block a view may hold happen only after a
-//!   `truncate` below it, which the host announces (Commit/Advance) before the next write.
+//! - *K/V donor views* (the assistant drafter): [`KvPool::export_donors`] moves the storage of
+//!   the donor slots into a memfd region the drafter maps read-only (layout and epochs of
+//!   `specula_protocol::donor`; see [`donor`]); the forward writes and attention reads them
+//!   there, and [`KvPool::donor_table`] gives a sequence's block table with stable epochs to
+//!   announce. A reader needs nothing else: no K/V row is copied per round. A block is never
+//!   rewritten while another sequence references it, positions below a committed length are
+//!   never rewritten, and a block changes owner only through allocation, which claims its
+//!   epoch first.
 //! - *A graph-captured GPU step*: the arena, block tables and lengths are plain arrays whose
 //!   shapes do not change between steps when the pool is created at its full capacity (a
 //!   device pool allocates it up front; this host pool grows its arena lazily up to the
@@ -56,6 +58,15 @@ use std::collections::{BTreeMap, HashMap};
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
+
+mod donor;
+
+pub use specula_protocol::donor::{DonorBlock, DonorLayout};
+pub use specula_protocol::shm::RegionId;
+
+/// A donor region to hand a drafter: its id, a handle (a new mapping of the memfd) and its
+/// layout.
+pub type DonorShare = (RegionId, ipc_channel::ipc::IpcSharedMemory, DonorLayout);
 
 /// Positions per block. 32 keeps the kernel's score vector at two AVX-512 registers and the
 /// per-block softmax merge cheap relative to the block's dot products.
@@ -178,6 +189,10 @@ pub struct KvPool {
     free_seqs: Vec<u32>,
     generation: u32,
     stats: PoolStats,
+    /// The exported donor slots, when a drafter reads them in place.
+    donor: Option<donor::DonorStore>,
+    /// Donor regions made so far (ids are never reused, so a drafter tells a new one apart).
+    donor_regions: RegionId,
 }
 
 impl KvPool {
@@ -218,6 +233,8 @@ impl KvPool {
             index: HashMap::new(),
             seqs: Vec::new(),
             free_seqs: Vec::new(),
+            donor: None,
+            donor_regions: 0,
             generation: 0,
             stats: PoolStats {
                 capacity_blocks,
@@ -561,21 +578,44 @@ impl KvPool {
     pub fn write(&mut self, slot: usize, block: BlockId, offset: usize, k: &[f32], v: &[f32]) {
         let SlotShape { kv_heads, head_dim } = self.layout.slots[slot];
         assert!(offset < BLOCK_SIZE && k.len() == kv_heads * head_dim && v.len() == k.len());
-        let (ko, vo) = self.slot_offsets[slot];
-        let base = block as usize * self.block_floats;
-        let half = kv_heads * head_dim * BLOCK_SIZE;
-        let ks = &mut self.arena[base + ko..base + ko + half];
+        let (ks, vs) = self.block_mut(slot, block);
         for h in 0..kv_heads {
             let kh = &mut ks[h * head_dim * BLOCK_SIZE..(h + 1) * head_dim * BLOCK_SIZE];
             for (i, &x) in k[h * head_dim..(h + 1) * head_dim].iter().enumerate() {
                 kh[i * BLOCK_SIZE + offset] = x;
             }
         }
-        let vs = &mut self.arena[base + vo..base + vo + half];
         for h in 0..kv_heads {
             let at = (h * BLOCK_SIZE + offset) * head_dim;
             vs[at..at + head_dim].copy_from_slice(&v[h * head_dim..(h + 1) * head_dim]);
         }
+    }
+
+    /// K and V of slot `slot` in `block`, wherever they are stored (the arena, or the donor
+    /// region for an exported slot).
+    fn block_ref(&self, slot: usize, block: BlockId) -> (&[f32], &[f32]) {
+        if let Some((d, i)) = self.donor.as_ref().and_then(|d| Some((d, d.index(slot)?))) {
+            return d.block(i, block);
+        }
+        let (ko, vo) = self.slot_offsets[slot];
+        let base = block as usize * self.block_floats;
+        let half = KvLayout::half(&self.layout.slots[slot]);
+        (
+            &self.arena[base + ko..base + ko + half],
+            &self.arena[base + vo..base + vo + half],
+        )
+    }
+
+    fn block_mut(&mut self, slot: usize, block: BlockId) -> (&mut [f32], &mut [f32]) {
+        if let Some(i) = self.donor.as_ref().and_then(|d| d.index(slot)) {
+            let d = self.donor.as_mut().expect("invariant: checked above");
+            return d.block_mut(i, block);
+        }
+        let (ko, vo) = self.slot_offsets[slot];
+        let base = block as usize * self.block_floats;
+        let half = KvLayout::half(&self.layout.slots[slot]);
+        let (head, tail) = self.arena[base + ko..].split_at_mut(vo - ko);
+        (&mut head[..half], &mut tail[..half])
     }
 
     /// K of head `head` of slot `slot` in `block`: `[head_dim][BLOCK_SIZE]` (transposed).
@@ -584,8 +624,7 @@ impl KvPool {
     /// On an index out of range.
     pub fn k_block(&self, slot: usize, block: BlockId, head: usize) -> &[f32] {
         let n = self.layout.slots[slot].head_dim * BLOCK_SIZE;
-        let at = block as usize * self.block_floats + self.slot_offsets[slot].0 + head * n;
-        &self.arena[at..at + n]
+        &self.block_ref(slot, block).0[head * n..(head + 1) * n]
     }
 
     /// V of head `head` of slot `slot` in `block`: `[BLOCK_SIZE][head_dim]`.
@@ -594,8 +633,7 @@ impl KvPool {
     /// On an index out of range.
     pub fn v_block(&self, slot: usize, block: BlockId, head: usize) -> &[f32] {
         let n = self.layout.slots[slot].head_dim * BLOCK_SIZE;
-        let at = block as usize * self.block_floats + self.slot_offsets[slot].1 + head * n;
-        &self.arena[at..at + n]
+        &self.block_ref(slot, block).1[head * n..(head + 1) * n]
     }
 
     /// K and V of positions `range` of `seq` in slot `slot`, as `[rows, kv_heads, head_dim]`
@@ -634,6 +672,83 @@ impl KvPool {
         Ok((k, v))
     }
 
+    /// Moves the storage of `layers` (`(slot, target layer)`, in the drafter's order) into a
+    /// donor region a drafter can map ([`KvPool::donor_share`]), carrying their K/V over; an
+    /// empty list moves any exported slots back into the arena. The same list again is a no-op.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] for a slot that does not exist or is named twice.
+    pub fn export_donors(&mut self, layers: &[(usize, u32)]) -> Result<()> {
+        if self.donor.as_ref().map_or(&[][..], |d| d.layers()) == layers {
+            return Ok(());
+        }
+        let blocks = self.meta.len();
+        if let Some(old) = self.donor.take() {
+            for &(slot, _) in old.layers() {
+                let i = old.index(slot).expect("invariant: an exported slot");
+                for b in 0..blocks as BlockId {
+                    let (k, v) = old.block(i, b);
+                    let (ak, av) = self.block_mut(slot, b);
+                    ak.copy_from_slice(k);
+                    av.copy_from_slice(v);
+                }
+            }
+        }
+        if layers.is_empty() {
+            return Ok(());
+        }
+        self.donor_regions += 1;
+        let mut store = donor::DonorStore::new(&self.layout, layers, blocks, self.donor_regions)?;
+        for (i, &(slot, _)) in layers.iter().enumerate() {
+            for b in 0..blocks as BlockId {
+                let (k, v) = self.block_ref(slot, b);
+                let (dk, dv) = store.block_mut(i, b);
+                dk.copy_from_slice(k);
+                dv.copy_from_slice(v);
+            }
+        }
+        self.donor = Some(store);
+        Ok(())
+    }
+
+    /// The exported `(slot, target layer)`s (empty when none).
+    pub fn donor_layers(&self) -> &[(usize, u32)] {
+        self.donor.as_ref().map_or(&[][..], |d| d.layers())
+    }
+
+    /// The current donor region's id, when slots are exported (it changes when the region
+    /// grows: then hand the drafter [`KvPool::donor_share`] again).
+    pub fn donor_region(&self) -> Option<RegionId> {
+        self.donor.as_ref().map(|d| d.region())
+    }
+
+    /// The donor region to send a drafter (a new mapping each call: call it per new region).
+    pub fn donor_share(&self) -> Option<DonorShare> {
+        self.donor.as_ref().map(|d| d.share())
+    }
+
+    /// Bytes the pool copied into bigger donor regions as it grew (host memory only).
+    pub fn donor_regrow_bytes(&self) -> u64 {
+        self.donor.as_ref().map_or(0, |d| d.regrow_bytes)
+    }
+
+    /// The donor block table of positions `0..len` of `seq`, each block with its epoch made
+    /// stable: what the drafter is told. `None` when no slot is exported.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] for an unknown sequence or `len` past its length.
+    pub fn donor_table(&mut self, seq: SeqId, len: usize) -> Result<Option<Vec<DonorBlock>>> {
+        let s = self.seq(seq)?;
+        if len > s.tokens.len() {
+            return Err(invalid(
+                "KvPool::donor_table",
+                format!("{len} positions of a sequence of {}", s.tokens.len()),
+            ));
+        }
+        let blocks = s.blocks[..len.div_ceil(BLOCK_SIZE)].to_vec();
+        Ok(self.donor.as_mut().map(|d| d.table(&blocks)))
+    }
+
     fn alloc(&mut self) -> Result<BlockId> {
         let b = if let Some(b) = self.free.pop() {
             b
@@ -641,6 +756,12 @@ impl KvPool {
             // Grow the arena geometrically; block ids stay valid (they are offsets).
             let old = self.meta.len();
             let new = (old * 2).max(4).min(self.capacity);
+            if self.donor.as_ref().is_some_and(|d| d.blocks() < new) {
+                self.donor_regions += 1;
+                let region = self.donor_regions;
+                let d = self.donor.as_mut().expect("invariant: checked above");
+                d.grow(new, region)?;
+            }
             self.arena.resize(new * self.block_floats, 0.0);
             self.meta.resize(new, BlockMeta::default());
             self.free.extend((old as BlockId + 1..new as BlockId).rev());
@@ -655,6 +776,10 @@ impl KvPool {
                 available: 0,
             });
         };
+        if let Some(d) = &mut self.donor {
+            // A new owner: readers of the block's old rows must see them go.
+            d.claim(b);
+        }
         self.meta[b as usize].refs = 1;
         self.stats.used_blocks += 1;
         Ok(b)
@@ -665,6 +790,16 @@ impl KvPool {
         let n = self.block_floats;
         self.arena
             .copy_within(src as usize * n..(src as usize + 1) * n, dst as usize * n);
+        let exported: Vec<usize> = (0..self.layout.slots.len())
+            .filter(|&s| self.donor.as_ref().is_some_and(|d| d.index(s).is_some()))
+            .collect();
+        for slot in exported {
+            let (k, v) = self.block_ref(slot, src);
+            let (k, v) = (k.to_vec(), v.to_vec());
+            let (dk, dv) = self.block_mut(slot, dst);
+            dk.copy_from_slice(&k);
+            dv.copy_from_slice(&v);
+        }
         Ok(dst)
     }
 

@@ -12,8 +12,10 @@
 //! The layout is the KV pool's (`specula_models::kv_pool`): K transposed inside a block, V
 //! row-major, [`DONOR_BLOCK_SIZE`] positions a block. The host is the only writer. Before a block
 //! changes owner (it is freed and handed to another sequence, or evicted) the host raises the
-//! block's epoch word ([`DonorWriter::claim`]), then writes. A reader holds the epoch each table
-//! entry was announced with and checks it after reading ([`DonorRows::check`]): a changed epoch
+//! block's epoch word to an odd value ([`DonorWriter::claim`]: being written), writes its new
+//! owner's rows, and makes it even again before announcing it ([`DonorWriter::publish`]:
+//! stable). Tables carry even epochs only. A reader holds the epoch each table entry was
+//! announced with and checks it after reading ([`DonorRows::check`]): a changed (or odd) epoch
 //! means the block was reused under it and what it read is dropped (seqlock style). Positions of
 //! a session below its announced `len` are never rewritten while its blocks keep their epochs
 //! (rollback only ever cuts positions past the committed length).
@@ -238,15 +240,83 @@ impl DonorWriter {
         epoch_word(&self.shm, &self.layout, block).load(Ordering::Acquire)
     }
 
-    /// Marks `block` as changing owner before anything is written into it: readers holding its
-    /// old epoch drop what they read from now on. Returns the new epoch.
+    /// Marks `block` as changing owner before anything is written into it: its epoch becomes
+    /// odd (being written), so readers holding its old, even epoch drop what they read from now
+    /// on. Returns the new epoch.
     pub fn claim(&mut self, block: u32) -> u64 {
         let word = epoch_word(&self.shm, &self.layout, block);
-        let epoch = word.load(Ordering::Relaxed) + 1;
+        let now = word.load(Ordering::Relaxed);
+        // An odd epoch was never announced (tables carry even ones): it stays odd, but moves on
+        // so that no two owners of a block ever share an epoch.
+        let epoch = now + 1 + (now & 1);
         word.store(epoch, Ordering::Relaxed);
         // Readers that see any byte written after this must also see the new epoch.
         fence(Ordering::Release);
         epoch
+    }
+
+    /// The epoch to announce `block` with: a block claimed since (odd) becomes stable (even)
+    /// once its owner's rows are written; a stable block keeps its epoch.
+    pub fn publish(&mut self, block: u32) -> u64 {
+        let word = epoch_word(&self.shm, &self.layout, block);
+        let now = word.load(Ordering::Relaxed);
+        if now & 1 == 0 {
+            return now;
+        }
+        // The rows written before must be visible to a reader that sees the even epoch.
+        fence(Ordering::Release);
+        word.store(now + 1, Ordering::Release);
+        now + 1
+    }
+
+    /// A copy of this region with room for `blocks` blocks (at least the current ones): the
+    /// same layers, every block's data and epoch carried over. The pool grows its donor region
+    /// this way (rarely, geometrically) instead of reserving its whole capacity up front.
+    ///
+    /// # Errors
+    /// [`Error::BadView`] for fewer blocks than now.
+    pub fn regrow(&self, region: RegionId, blocks: u32) -> Result<DonorWriter> {
+        if blocks < self.layout.blocks {
+            return Err(Error::BadView {
+                reason: format!(
+                    "donor region of {} blocks cannot shrink to {blocks}",
+                    self.layout.blocks
+                ),
+            });
+        }
+        let shapes: Vec<(u32, u32, u32)> = self
+            .layout
+            .layers
+            .iter()
+            .map(|l| (l.layer, l.kv_heads, l.head_dim))
+            .collect();
+        let mut next = DonorWriter::new(region, DonorLayout::f32(&shapes, blocks)?)?;
+        let (old, bytes) = (&self.layout, self.layout.block_bytes as usize);
+        for b in 0..old.blocks {
+            let from = (old.data_offset + u64::from(b) * old.block_bytes) as usize;
+            let to = (next.layout.data_offset + u64::from(b) * next.layout.block_bytes) as usize;
+            let epoch = self.epoch(b);
+            epoch_word(&next.shm, &next.layout, b).store(epoch, Ordering::Relaxed);
+            // SAFETY: `next` is this process's own, fresh mapping; nobody else has it yet.
+            let mem = unsafe { next.shm.deref_mut() };
+            mem[to..to + bytes].copy_from_slice(&self.shm[from..from + bytes]);
+        }
+        Ok(next)
+    }
+
+    /// K and V of donor layer `i` in `block`, for reading (what the host's own attention reads).
+    ///
+    /// # Panics
+    /// On a layer or block out of range.
+    pub fn block(&self, i: usize, block: u32) -> (&[f32], &[f32]) {
+        let l = &self.layout.layers[i];
+        assert!(block < self.layout.blocks, "block {block} out of range");
+        let n = (l.kv_heads * l.head_dim * self.layout.block_size) as usize;
+        let base = self.layout.data_offset + u64::from(block) * self.layout.block_bytes;
+        (
+            floats(&self.shm, base + l.k_offset, n),
+            floats(&self.shm, base + l.v_offset, n),
+        )
     }
 
     /// K (`[kv_heads][head_dim][block_size]`) and V (`[kv_heads][block_size][head_dim]`) of donor
@@ -433,7 +503,8 @@ impl<'a> DonorRows<'a> {
         for b in self.table {
             let now =
                 epoch_word(&self.reader.shm, &self.reader.layout, b.block).load(Ordering::Relaxed);
-            if now != b.epoch {
+            // An odd epoch is a block being written: never readable, even if announced so.
+            if now != b.epoch || b.epoch & 1 == 1 {
                 return Err(Error::Torn {
                     epoch: b.epoch,
                     valid_from: now,
@@ -486,7 +557,9 @@ mod tests {
     #[test]
     fn rows_written_by_the_host_read_back_in_place_and_copied() {
         let (mut w, r) = region();
-        let (e2, e0) = (w.claim(2), w.claim(0));
+        w.claim(2);
+        w.claim(0);
+        let (e2, e0) = (w.publish(2), w.publish(0));
         // 40 positions: block 2 holds 0..32, block 0 holds 32..40.
         for p in 0..40usize {
             let block = [2, 0][p / 32];
@@ -531,7 +604,8 @@ mod tests {
     #[test]
     fn a_reused_block_is_detected() {
         let (mut w, r) = region();
-        let e = w.claim(1);
+        w.claim(1);
+        let e = w.publish(1);
         let table = [DonorBlock { block: 1, epoch: e }];
         let rows = r.rows(&table, 3).unwrap();
         rows.check().unwrap();
@@ -539,6 +613,32 @@ mod tests {
         w.claim(1);
         assert!(matches!(rows.check(), Err(Error::Torn { .. })));
         assert!(rows.copy_rows(0, 0..3).is_err());
+    }
+
+    #[test]
+    fn claimed_blocks_are_odd_until_published_and_regrowth_keeps_everything() {
+        let (mut w, r) = region();
+        let e = w.claim(1);
+        assert_eq!(e % 2, 1, "a claimed block is being written");
+        let odd = [DonorBlock { block: 1, epoch: e }];
+        assert!(r.rows(&odd, 3).unwrap().check().is_err(), "odd: never read");
+        w.write_row(0, 1, 2, &[1.0; 8], &[2.0; 8]);
+        let stable = w.publish(1);
+        assert_eq!((stable % 2, w.publish(1)), (0, stable), "published once");
+        let table = [DonorBlock {
+            block: 1,
+            epoch: stable,
+        }];
+        r.rows(&table, 3).unwrap().check().unwrap();
+        // Re-claiming an odd block moves it on (no two owners share an epoch).
+        let e2 = w.claim(2);
+        assert!(w.claim(2) > e2);
+        let grown = w.regrow(8, 5).unwrap();
+        assert_eq!((grown.layout().blocks, grown.epoch(1)), (5, stable));
+        let g = DonorReader::new(8, grown.handle(), grown.layout().clone()).unwrap();
+        let (k, v) = g.rows(&table, 3).unwrap().copy_rows(0, 2..3).unwrap();
+        assert_eq!((k, v), (vec![1.0; 8], vec![2.0; 8]));
+        assert!(w.regrow(9, 2).is_err(), "regrowth never shrinks");
     }
 
     #[test]

@@ -528,7 +528,9 @@ fn donor_views_reach_draft_batch() {
     let (a, thread) = spawn(drafter);
     welcome(&a, PROTOCOL_VERSION);
     let mut donors = DonorWriter::new(1, DonorLayout::f32(&[(1, 1, 2)], 4).unwrap()).unwrap();
-    let (e3, e0) = (donors.claim(3), donors.claim(0));
+    donors.claim(3);
+    donors.claim(0);
+    let (e3, e0) = (donors.publish(3), donors.publish(0));
     for p in 0..40usize {
         let row = [p as f32, p as f32 + 0.5];
         donors.write_row(0, [3, 0][p / 32], p % 32, &row, &row.map(|x| -x));

@@ -503,7 +503,8 @@ fn a_1_2_peer_decodes_a_1_1_peers_messages() {
 fn map_donors_carries_live_shared_memory_and_its_layout() {
     use specula_protocol::donor::{DonorReader, DonorWriter};
     let mut writer = DonorWriter::new(2, donor_layout()).unwrap();
-    let epoch = writer.claim(6);
+    writer.claim(6);
+    let epoch = writer.publish(6);
     writer.write_row(1, 6, 3, &[1.5; 32], &[-2.5; 32]);
     let (tx, rx) = ipc::channel::<HostMsg>().unwrap();
     let msg = HostMsg::Request {

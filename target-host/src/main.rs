@@ -203,6 +203,8 @@ fn generate_cmd(args: GenerateArgs) -> Result<()> {
     if !json {
         print!("{}", &gen.text[shown.min(gen.text.len())..]);
     }
+    // What reached the drafter: K/V bytes copied (0 with donor views) and block tables sent.
+    let transfer = slot.lock().proposer().map(|p| p.transfer());
     if json {
         let out = serde_json::json!({
             "text": gen.text,
@@ -210,6 +212,7 @@ fn generate_cmd(args: GenerateArgs) -> Result<()> {
             "token_ids": gen.token_ids,
             "finish_reason": gen.finish_reason,
             "stats": gen.stats,
+            "transfer": transfer,
         });
         println!("{out}");
     } else {
@@ -225,6 +228,14 @@ fn generate_cmd(args: GenerateArgs) -> Result<()> {
             s.mean_accepted_per_round,
             s.decode_tokens_per_s
         );
+        if let Some(t) = transfer.filter(|t| t.rounds > 0) {
+            tracing::info!(
+                "K/V copied for the drafter: {:.0} B/round ({} rounds), donor tables {} B",
+                t.kv_bytes_per_round(),
+                t.rounds,
+                t.donor_table_bytes
+            );
+        }
     }
     Ok(())
 }

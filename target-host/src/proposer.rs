@@ -22,8 +22,10 @@
 //! [`Proposer::incarnation`]), the engine opens every session again with the whole context and
 //! the taps of every position before the pending one, and re-reads [`Proposer::wants`].
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use specula_models::kv_pool::{DonorBlock, DonorLayout, RegionId, BLOCK_SIZE};
 use specula_models::sampling::SamplingParams;
 
 /// Identifies one request (a session) across the engine and its proposer.
@@ -38,6 +40,9 @@ pub struct Wants {
     pub final_hidden: bool,
     /// Layers whose K/V rows the proposer wants to read.
     pub kv_layers: Vec<usize>,
+    /// Whether it reads the `kv_layers` in place from the KV pool ([`TapRows::donor`]) rather
+    /// than as copied rows ([`TapRows::kv`]).
+    pub kv_views: bool,
 }
 
 impl Wants {
@@ -53,6 +58,7 @@ impl From<&specula_protocol::wire::Capabilities> for Wants {
             tap_layers: caps.tap_layers.iter().map(|&l| l as usize).collect(),
             final_hidden: caps.final_hidden,
             kv_layers: caps.kv_layers.iter().map(|&l| l as usize).collect(),
+            kv_views: false,
         }
     }
 }
@@ -114,8 +120,56 @@ pub struct TapRows {
     /// Post-final-norm hidden, `rows × hidden`, when [`Wants::final_hidden`].
     pub final_hidden: Option<Vec<f32>>,
     /// K and V rows per requested layer (same order as [`Wants::kv_layers`]):
-    /// `rows × kv_heads × head_dim` each.
+    /// `rows × kv_heads × head_dim` each. Empty when [`Wants::kv_views`]: see `donor`.
     pub kv: Vec<(Vec<f32>, Vec<f32>)>,
+    /// With [`Wants::kv_views`]: where the K/V of positions `0..pos + rows` lie in the KV pool's
+    /// donor region (the session's block table, epochs stable), instead of copies.
+    pub donor: Option<DonorRef>,
+}
+
+/// The KV pool's donor region, as a proposer hands it to a drafter (`MapDonors`).
+pub struct DonorRegion {
+    /// Its id; a new id is a new region (the pool grew or re-exported).
+    pub id: RegionId,
+    /// A mapping of the memfd.
+    pub shm: ipc_channel::ipc::IpcSharedMemory,
+    /// Where blocks, epochs and layers are.
+    pub layout: DonorLayout,
+}
+
+impl PartialEq for DonorRegion {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
+    }
+}
+
+impl std::fmt::Debug for DonorRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DonorRegion")
+            .field("id", &self.id)
+            .field("bytes", &self.shm.len())
+            .field("layout", &self.layout)
+            .finish()
+    }
+}
+
+/// A session's donor K/V in place: the region and the block table of the positions so far.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DonorRef {
+    /// The region (one for every session).
+    pub region: Arc<DonorRegion>,
+    /// Blocks holding positions `0..len` (`BLOCK_SIZE` each), with their epochs.
+    pub table: Vec<DonorBlock>,
+}
+
+impl DonorRef {
+    /// The table cut to the blocks of positions `0..len`.
+    fn upto(&self, len: usize) -> DonorRef {
+        DonorRef {
+            region: self.region.clone(),
+            table: self.table[..len.div_ceil(BLOCK_SIZE).min(self.table.len())].to_vec(),
+        }
+    }
 }
 
 impl TapRows {
@@ -150,6 +204,10 @@ impl TapRows {
             ak.extend_from_slice(bk);
             av.extend_from_slice(bv);
         }
+        if other.donor.is_some() {
+            // The later table covers the earlier rows too.
+            self.donor = other.donor.clone();
+        }
     }
 
     /// The first `rows` rows.
@@ -174,6 +232,7 @@ impl TapRows {
             layers: self.layers.iter().map(cut).collect(),
             final_hidden: self.final_hidden.as_ref().map(cut),
             kv: self.kv.iter().map(|(k, v)| (cut(k), cut(v))).collect(),
+            donor: self.donor.as_ref().map(|d| d.upto(self.pos + start + rows)),
         }
     }
 
@@ -187,6 +246,26 @@ impl TapRows {
                 .map(|(k, v)| k.len() + v.len())
                 .sum::<usize>();
         f * std::mem::size_of::<f32>()
+    }
+}
+
+/// What reached a drafter, for reports: the K/V donor goal is no K/V bytes copied per round.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Transfer {
+    /// Rounds reported (commits and advances).
+    pub rounds: u64,
+    /// Bytes of K/V rows copied for it (into taps; 0 when it reads donor views).
+    pub kv_copied_bytes: u64,
+    /// Bytes of donor block-table entries sent instead.
+    pub donor_table_bytes: u64,
+    /// Donor regions handed to it.
+    pub donor_maps: u64,
+}
+
+impl Transfer {
+    /// K/V bytes copied per round.
+    pub fn kv_bytes_per_round(&self) -> f64 {
+        self.kv_copied_bytes as f64 / self.rounds.max(1) as f64
     }
 }
 
@@ -236,6 +315,10 @@ pub trait Proposer: Send {
     /// that wraps another must forward it.
     fn incarnation(&self) -> u64 {
         0
+    }
+    /// What reached the proposer so far (default: nothing counted). Wrappers forward it.
+    fn transfer(&self) -> Transfer {
+        Transfer::default()
     }
 }
 
@@ -373,6 +456,9 @@ impl<P: Proposer> Proposer for Shared<P> {
     fn incarnation(&self) -> u64 {
         self.lock().incarnation()
     }
+    fn transfer(&self) -> Transfer {
+        self.lock().transfer()
+    }
 }
 
 #[cfg(test)]
@@ -386,6 +472,7 @@ mod tests {
             layers: vec![(0..n * 2).map(|i| (pos * 2 + i) as f32).collect()],
             final_hidden: None,
             kv: vec![],
+            donor: None,
         }
     }
 

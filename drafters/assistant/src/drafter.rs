@@ -21,6 +21,7 @@ use specula_protocol::donor::DonorRows;
 use specula_protocol::sdk::{
     AdvanceArgs, Advanced, CommitArgs, DraftAsk, Drafter, DrafterInfo, OpenArgs, Proposal, Taps,
 };
+use specula_protocol::version::{Version, PROTOCOL_VERSION};
 use specula_protocol::wire::{
     Capabilities, PrefillMode, RopeLayout, SamplingSpec, SessionId, TargetInfo,
 };
@@ -37,6 +38,10 @@ pub struct AssistantDrafter {
     source: WeightsSource,
     loaded: Option<Loaded>,
     sessions: HashMap<SessionId, Session>,
+    /// Whether it asks to read the donor K/V in place (protocol 1.2 donor views).
+    views: bool,
+    /// The newest protocol version it speaks.
+    protocol: Version,
 }
 
 #[derive(Debug)]
@@ -73,7 +78,36 @@ impl AssistantDrafter {
             source,
             loaded: None,
             sessions: HashMap::new(),
+            views: true,
+            protocol: PROTOCOL_VERSION,
         }
+    }
+
+    /// The same, asking for the donor K/V as rows copied into the taps (what an older host
+    /// sends anyway): the copy path, for comparisons.
+    pub fn with_copies(self) -> Self {
+        AssistantDrafter {
+            views: false,
+            ..self
+        }
+    }
+
+    /// The same, speaking protocol `version` at most (an older drafter, for skew tests): below
+    /// 1.2 it gets the donor K/V copied into its taps.
+    ///
+    /// # Errors
+    /// A version of another major, or newer than this build speaks.
+    pub fn speaking(self, version: Version) -> Result<Self, String> {
+        if version.major != PROTOCOL_VERSION.major || version > PROTOCOL_VERSION {
+            return Err(format!(
+                "protocol {version}: this drafter speaks {}.0 to {PROTOCOL_VERSION}",
+                PROTOCOL_VERSION.major
+            ));
+        }
+        Ok(AssistantDrafter {
+            protocol: version,
+            ..self
+        })
     }
 
     /// A drafter already fitted to `target` (what the SDK does after `Welcome`), for running it
@@ -371,13 +405,17 @@ fn donor_layers(cfg: &ModelConfig) -> Result<Vec<Lender>, String> {
 
 impl Drafter for AssistantDrafter {
     fn info(&self) -> DrafterInfo {
-        DrafterInfo::new(
+        let mut info = DrafterInfo::new(
             "assistant",
             env!("CARGO_PKG_VERSION"),
             self.capabilities_now(),
         )
-        .with_late_capabilities()
-        .with_kv_donor_views()
+        .with_late_capabilities();
+        info.versions = vec![self.protocol];
+        match self.views {
+            true => info.with_kv_donor_views(),
+            false => info,
+        }
     }
 
     fn accept_target(&mut self, target: &TargetInfo) -> Result<(), String> {

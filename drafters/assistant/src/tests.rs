@@ -165,7 +165,10 @@ fn donor_blocks_in_place_equal_row_copies() {
         .iter()
         .map(|&block| DonorBlock {
             block,
-            epoch: writer.claim(block),
+            epoch: {
+                writer.claim(block);
+                writer.publish(block)
+            },
         })
         .collect();
     for (i, (k, v)) in data.iter().enumerate() {

@@ -237,3 +237,80 @@ fn chain_keys_are_the_keys_a_sequence_enters_and_adopts() {
     assert_eq!(pool.adopt_prefix(b, &t).unwrap(), 2 * B);
     assert_eq!(pool.block_keys(b).unwrap(), &keys[..]);
 }
+
+/// The donor region as a drafter maps it.
+fn reader(pool: &KvPool) -> specula_protocol::donor::DonorReader {
+    let (region, shm, layout) = pool.donor_share().expect("exported");
+    specula_protocol::donor::DonorReader::new(region, shm, layout).unwrap()
+}
+
+#[test]
+fn exported_slots_live_in_the_donor_region_through_growth_reuse_and_copy_on_write() {
+    let mut pool = KvPool::new(layout(), 64).unwrap();
+    let a = pool.create();
+    let t = ids(B + 3, 1);
+    // Exported mid-stream: what was written moves over, the forward then writes there.
+    feed(&mut pool, a, &t[..5]);
+    pool.export_donors(&[(1, 9)]).unwrap();
+    assert_eq!(pool.donor_layers(), &[(1, 9)]);
+    feed(&mut pool, a, &t[5..]);
+    check(&pool, a, &t);
+    let first = pool.donor_region().unwrap();
+    let table = pool.donor_table(a, t.len()).unwrap().unwrap();
+    assert!(table.iter().all(|b| b.epoch % 2 == 0), "announced stable");
+    let r = reader(&pool);
+    let rows = r.rows(&table, t.len()).unwrap();
+    let (k, v) = rows.copy_rows(0, 0..t.len()).unwrap();
+    let (pk, pv) = pool.read_rows(a, 1, 0..t.len()).unwrap();
+    assert_eq!(
+        (&k, &v),
+        (&pk, &pv),
+        "the drafter reads what attention reads"
+    );
+    // The region's bytes are the pool's storage: a write shows through the mapping.
+    let (b, off) = pool.locate(a, 2).unwrap();
+    pool.write(1, b, off, &[7.0; 8], &[8.0; 8]);
+    assert_eq!(rows.copy_rows(0, 2..3).unwrap().0, vec![7.0; 8]);
+    let k2 = row(t[2], 2, 1, 8);
+    let v2: Vec<f32> = k2.iter().map(|x| -x).collect();
+    pool.write(1, b, off, &k2, &v2);
+    // Growth: a bigger region, a new id, rows and epochs carried.
+    let b2 = pool.create();
+    feed(&mut pool, b2, &ids(8 * B, 50));
+    assert_ne!(pool.donor_region().unwrap(), first);
+    assert!(pool.donor_regrow_bytes() > 0);
+    check(&pool, a, &t);
+    let grown = reader(&pool);
+    grown.rows(&table, t.len()).unwrap().check().unwrap();
+    // Rollback keeps the committed rows; a freed block is claimed before its next owner writes.
+    pool.truncate(a, B).unwrap();
+    grown.rows(&table[..1], B).unwrap().check().unwrap();
+    let (tail, epoch) = (table[1].block, table[1].epoch);
+    let c = pool.create();
+    feed(&mut pool, c, &ids(3, 900));
+    assert_eq!(
+        pool.blocks(c).unwrap()[0],
+        tail,
+        "the freed block is reused"
+    );
+    assert!(
+        grown.rows(&table, t.len()).unwrap().check().is_err(),
+        "torn"
+    );
+    let now = pool.donor_table(c, 3).unwrap().unwrap()[0];
+    assert!(now.epoch > epoch && now.epoch % 2 == 0);
+    // Copy-on-write of a shared partial block copies the exported slot too.
+    let f = pool.fork(c, 2).unwrap();
+    check(&pool, f, &ids(3, 900)[..2]);
+    // Moved back into the arena: the same rows.
+    pool.export_donors(&[]).unwrap();
+    assert!(pool.donor_region().is_none() && pool.donor_table(c, 3).unwrap().is_none());
+    check(&pool, c, &ids(3, 900));
+    check(&pool, a, &t[..B]);
+    assert!(pool.export_donors(&[(2, 0)]).is_err(), "no slot 2");
+    assert!(
+        pool.export_donors(&[(1, 0), (1, 3)]).is_err(),
+        "a slot twice"
+    );
+    assert!(pool.donor_table(c, 4).is_err(), "past the length");
+}

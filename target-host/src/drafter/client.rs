@@ -17,17 +17,27 @@
 //! (`Draft { rows: [] }`, answered in order) shows the drafter has read the one before, so no
 //! window overwrites another that is still unread. Drafts are capped so that a `Commit`'s
 //! `accepted + 1` rows always fit.
+//!
+//! **K/V donor views (1.2).** A drafter whose Hello set `kv_donor_views` reads its `kv_layers`
+//! in place from the KV pool's donor region: the taps then carry each session's block table
+//! ([`crate::proposer::DonorRef`]) instead of K/V rows. The client sends `MapDonors` once per
+//! region and drafter process (again after a respawn, or when the pool's region grew), and after
+//! every `Open`, `Commit` or `Advance` a `DonorTables` delta (the entries kept, those appended,
+//! the committed length), so the `Draft` that follows reads the rows committed so far. An older
+//! drafter gets the rows copied into its taps, as before; [`DrafterStats::kv_copied_bytes`]
+//! counts those bytes either way.
 
 use std::collections::HashMap;
 use std::time::Instant;
 
 use ipc_channel::TryRecvError;
 use specula_models::sampling::SamplingParams;
-use specula_protocol::shm::{KvView, ShmWriter, TapViews};
+use specula_protocol::donor::DonorBlock;
+use specula_protocol::shm::{KvView, RegionId, ShmWriter, TapViews};
 use specula_protocol::version::Version;
 use specula_protocol::wire::{
-    Advance, Capabilities, Close, Commit, Draft as DraftRequest, DraftRow, DrafterMsg, Open,
-    Proposed, Request, SamplingSpec, TargetInfo,
+    Advance, Capabilities, Close, Commit, DonorTable, DonorTables, Draft as DraftRequest, DraftRow,
+    DrafterMsg, MapDonors, Open, Proposed, Request, SamplingSpec, TargetInfo,
 };
 use tracing::{debug, warn};
 
@@ -41,6 +51,9 @@ use crate::proposer::{Draft, DraftBatch, Health, Proposer, SessionId, TapRows, V
 /// The version that brought `Advance`.
 const ADVANCE: Version = Version { major: 1, minor: 1 };
 
+/// The version that brought K/V donor views (`MapDonors`, `DonorTables`).
+const DONOR_VIEWS: Version = Version { major: 1, minor: 2 };
+
 /// What the client tracks of an open session.
 #[derive(Debug)]
 struct Mirror {
@@ -48,6 +61,8 @@ struct Mirror {
     /// Ids committed without drafts that the drafter has not heard of yet (sent as the next
     /// row's `new_tokens`).
     unheard: Vec<u32>,
+    /// The donor block table as the drafter holds it (views only).
+    donor_table: Vec<DonorBlock>,
 }
 
 /// A drafter process, supervised, as a [`Proposer`].
@@ -62,6 +77,10 @@ pub struct DrafterClient {
     stats: DrafterStats,
     bad_in_row: u32,
     pace: Pace,
+    /// Whether the running drafter reads its `kv_layers` as donor views.
+    kv_views: bool,
+    /// The donor region the running drafter process has mapped.
+    donor_mapped: Option<RegionId>,
 }
 
 /// The protocol's form of the sampling parameters.
@@ -91,6 +110,7 @@ impl DrafterClient {
             .connection()
             .expect("invariant: a started supervisor is ready");
         let (name, caps) = (conn.hello.name.clone(), conn.hello.capabilities.clone());
+        let kv_views = reads_donor_views(conn);
         let mut client = DrafterClient {
             sup,
             target,
@@ -101,6 +121,8 @@ impl DrafterClient {
             stats: DrafterStats::default(),
             bad_in_row: 0,
             pace: Pace::new(0),
+            kv_views,
+            donor_mapped: None,
         };
         client.pace = Pace::new(client.max_draft());
         Ok(client)
@@ -135,6 +157,11 @@ impl DrafterClient {
     pub fn poll(&mut self) -> DrafterState {
         if self.sup.poll() {
             self.sessions.clear();
+            // A new process has mapped nothing.
+            self.donor_mapped = None;
+            if let Some(conn) = self.sup.connection() {
+                self.kv_views = reads_donor_views(conn);
+            }
             self.pace = Pace::new(self.max_draft());
         }
         self.sup.state()
@@ -145,8 +172,67 @@ impl DrafterClient {
         let hidden = self.target.hidden_size as usize;
         let kv = (self.target.num_kv_heads * self.target.head_dim) as usize;
         let floats = hidden * (self.caps.tap_layers.len() + usize::from(self.caps.final_hidden))
-            + 2 * kv * self.caps.kv_layers.len();
+            + 2 * kv * self.copied_kv_layers();
         floats * std::mem::size_of::<f32>()
+    }
+
+    /// K/V layers whose rows travel in the taps (none with donor views).
+    fn copied_kv_layers(&self) -> usize {
+        match self.kv_views {
+            true => 0,
+            false => self.caps.kv_layers.len(),
+        }
+    }
+
+    /// Tells the drafter where `session`'s donor K/V are now (views only): `MapDonors` for a
+    /// region it has not mapped, then the table delta and the committed length. Counts the K/V
+    /// bytes that were copied into the taps instead, when there were any.
+    fn donor_update(&mut self, session: SessionId, taps: Option<&TapRows>) {
+        let Some(taps) = taps else {
+            return;
+        };
+        self.stats.kv_copied_bytes += taps
+            .kv
+            .iter()
+            .map(|(k, v)| (k.len() + v.len()) * std::mem::size_of::<f32>())
+            .sum::<usize>() as u64;
+        let Some(donor) = taps.donor.as_ref().filter(|_| self.kv_views) else {
+            return;
+        };
+        if self.donor_mapped != Some(donor.region.id) {
+            let map = MapDonors {
+                region: donor.region.id,
+                shm: donor.region.shm.clone(),
+                layout: donor.region.layout.clone(),
+            };
+            self.send(|_, _| Request::MapDonors(map));
+            self.donor_mapped = Some(donor.region.id);
+            self.stats.donor_maps += 1;
+        }
+        let Some(mirror) = self.sessions.get_mut(&session) else {
+            return;
+        };
+        let keep = mirror
+            .donor_table
+            .iter()
+            .zip(&donor.table)
+            .take_while(|(a, b)| a == b)
+            .count();
+        let append = donor.table[keep..].to_vec();
+        mirror.donor_table.clone_from(&donor.table);
+        // A table entry is a block id and an epoch: 12 bytes of a postcard message.
+        self.stats.donor_table_bytes += 12 * append.len() as u64;
+        let table = DonorTable {
+            session,
+            keep: keep as u32,
+            append,
+            len: (taps.pos + taps.rows) as u64,
+        };
+        self.send(|_, _| {
+            Request::DonorTables(DonorTables {
+                tables: vec![table],
+            })
+        });
     }
 
     /// The most tap rows one message may carry: half the ring (so that the window before it,
@@ -154,7 +240,7 @@ impl DrafterClient {
     fn rows_per_message(&self) -> usize {
         let tensors = self.caps.tap_layers.len()
             + usize::from(self.caps.final_hidden)
-            + 2 * self.caps.kv_layers.len();
+            + 2 * self.copied_kv_layers();
         let room = (self.config.region_bytes / 2).saturating_sub(tensors * SHM_ALIGN);
         room / self.tap_row_bytes().max(1)
     }
@@ -271,6 +357,14 @@ impl DrafterClient {
     }
 }
 
+/// Whether the drafter on `conn` reads its `kv_layers` as donor views: it asked, it wants K/V,
+/// and the negotiated protocol has the messages.
+fn reads_donor_views(conn: &Connection) -> bool {
+    conn.hello.kv_donor_views
+        && !conn.hello.capabilities.kv_layers.is_empty()
+        && conn.tx.version() >= DONOR_VIEWS
+}
+
 /// Alignment of every tensor in the shared ring (`specula_protocol::shm`).
 const SHM_ALIGN: usize = 64;
 
@@ -326,7 +420,10 @@ impl Proposer for DrafterClient {
     }
 
     fn wants(&self) -> Wants {
-        Wants::from(&self.caps)
+        Wants {
+            kv_views: self.kv_views,
+            ..Wants::from(&self.caps)
+        }
     }
 
     fn open(
@@ -341,6 +438,7 @@ impl Proposer for DrafterClient {
         let mirror = Mirror {
             step: 0,
             unheard: Vec::new(),
+            donor_table: Vec::new(),
         };
         self.sessions.insert(session, mirror);
         let region = self.sup.connection().is_some_and(|c| c.region.is_some());
@@ -372,6 +470,8 @@ impl Proposer for DrafterClient {
                 })
             }
         }
+        // After the `Open` (which starts the drafter's table afresh): the whole table.
+        self.donor_update(session, taps);
     }
 
     fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
@@ -504,6 +604,8 @@ impl Proposer for DrafterClient {
                 taps,
             })
         });
+        self.stats.rounds += 1;
+        self.donor_update(session, verdict.taps);
     }
 
     fn advance(&mut self, session: SessionId, ids: &[u32], taps: Option<&TapRows>) {
@@ -534,6 +636,8 @@ impl Proposer for DrafterClient {
                 taps,
             })
         });
+        self.stats.rounds += 1;
+        self.donor_update(session, taps);
     }
 
     fn close(&mut self, session: SessionId) {
@@ -551,6 +655,10 @@ impl Proposer for DrafterClient {
 
     fn incarnation(&self) -> u64 {
         self.sup.restarts()
+    }
+
+    fn transfer(&self) -> crate::proposer::Transfer {
+        self.stats.transfer()
     }
 }
 

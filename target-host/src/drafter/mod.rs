@@ -180,11 +180,29 @@ pub struct DrafterStats {
     pub split_opens: u64,
     /// Times the drafter process was (re)started after the first start.
     pub restarts: u64,
+    /// Rounds reported to the drafter (`Commit`s and `Advance`s).
+    pub rounds: u64,
+    /// Bytes of K/V rows copied into taps for it (0 with donor views).
+    pub kv_copied_bytes: u64,
+    /// Bytes of donor block-table entries sent (`DonorTables`, views only).
+    pub donor_table_bytes: u64,
+    /// `MapDonors` sent (once per region and drafter process).
+    pub donor_maps: u64,
     /// Recent Draft → Drafted round trips, in microseconds, oldest first.
     pub rtt_us: VecDeque<u32>,
 }
 
 impl DrafterStats {
+    /// The K/V transfer counters, as [`crate::proposer::Proposer::transfer`] reports them.
+    pub fn transfer(&self) -> crate::proposer::Transfer {
+        crate::proposer::Transfer {
+            rounds: self.rounds,
+            kv_copied_bytes: self.kv_copied_bytes,
+            donor_table_bytes: self.donor_table_bytes,
+            donor_maps: self.donor_maps,
+        }
+    }
+
     /// The `p`-th percentile (`0.0..=1.0`) of the recorded round trips.
     pub fn rtt_percentile(&self, p: f64) -> Option<Duration> {
         if self.rtt_us.is_empty() {

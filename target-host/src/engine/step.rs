@@ -341,7 +341,8 @@ impl<'a> Core<'a> {
                 continue;
             };
             let ctx = &live.seq.context[..live.seq.context.len() - 1];
-            let taps = self.target.taps_of(ctx, self.drafting.wants())?;
+            let wants = self.drafting.wants().clone();
+            let taps = self.target.taps_of(r.session, ctx, &wants)?;
             self.drafting.resync(r.session, taps);
         }
         Ok(())

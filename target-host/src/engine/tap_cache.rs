@@ -143,6 +143,7 @@ mod tests {
             layers: vec![(pos * 2..(pos + rows) * 2).map(|x| x as f32).collect()],
             final_hidden: None,
             kv: vec![],
+            donor: None,
         }
     }
 

@@ -17,8 +17,13 @@
 //! its prompt ([`KvPool::adopt_prefix`], vLLM-style hash chain); its prefill starts after them.
 //! Blocks are entered into the index once their K/V is written (after each prefill chunk and
 //! when a sequence ends, so a second chat turn finds the first turn's answer too).
+//!
+//! **K/V donors.** When the proposer reads its `kv_layers` in place ([`Wants::kv_views`]), the
+//! pool keeps those slots in its shared donor region ([`KvPool::export_donors`]) and the taps
+//! carry each sequence's block table ([`DonorRef`]) instead of copied K/V rows.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
@@ -26,7 +31,7 @@ use candle_core::Tensor;
 use specula_models::kv_pool::{BlockKey, PoolStats, BLOCK_SIZE};
 use specula_models::{Batch, ForwardRequest, KvPool, Model, Rows as Select, SeqId, SeqRows, TapId};
 
-use crate::proposer::{SessionId, TapRows, Wants};
+use crate::proposer::{DonorRef, DonorRegion, SessionId, TapRows, Wants};
 
 /// One sequence's rows in a step.
 #[derive(Debug, Clone, PartialEq)]
@@ -55,6 +60,8 @@ pub struct Target<'m> {
     model: &'m Model,
     pool: KvPool,
     seqs: HashMap<SessionId, SeqId>,
+    /// The pool's donor region as last handed out (re-made when the pool's region changes).
+    donor: Option<Arc<DonorRegion>>,
 }
 
 impl<'m> Target<'m> {
@@ -69,6 +76,7 @@ impl<'m> Target<'m> {
             model,
             pool: model.new_pool(blocks).context("creating the KV pool")?,
             seqs: HashMap::new(),
+            donor: None,
         })
     }
 
@@ -127,6 +135,43 @@ impl<'m> Target<'m> {
         Ok(())
     }
 
+    /// Exports the donor slots `wants` reads in place (or moves them back when it reads none).
+    fn sync_donors(&mut self, wants: &Wants) -> anyhow::Result<()> {
+        let layers: Vec<(usize, u32)> = match wants.kv_views {
+            // A layer's slot is its index: the donors are layers that own their K/V, which
+            // come before any layer that shares an earlier one's.
+            true => wants.kv_layers.iter().map(|&l| (l, l as u32)).collect(),
+            false => Vec::new(),
+        };
+        self.pool
+            .export_donors(&layers)
+            .context("exporting the K/V donor layers")?;
+        Ok(())
+    }
+
+    /// The donor region, handed out anew whenever the pool's changed.
+    fn donor_region(&mut self) -> Option<Arc<DonorRegion>> {
+        let id = self.pool.donor_region()?;
+        if self.donor.as_ref().is_none_or(|d| d.id != id) {
+            let (id, shm, layout) = self.pool.donor_share()?;
+            self.donor = Some(Arc::new(DonorRegion { id, shm, layout }));
+        }
+        self.donor.clone()
+    }
+
+    /// `session`'s donor K/V of positions `0..len`, when the pool exports donors.
+    fn donor_ref(&mut self, seq: SeqId, len: usize) -> anyhow::Result<Option<DonorRef>> {
+        let Some(table) = self.pool.donor_table(seq, len)? else {
+            return Ok(None);
+        };
+        Ok(self.donor_region().map(|region| DonorRef { region, table }))
+    }
+
+    /// Bytes the pool moved into bigger donor regions as it grew (host memory, never sent).
+    pub fn donor_regrow_bytes(&self) -> u64 {
+        self.pool.donor_regrow_bytes()
+    }
+
     fn seq(&self, session: SessionId) -> anyhow::Result<SeqId> {
         self.seqs
             .get(&session)
@@ -142,6 +187,7 @@ impl<'m> Target<'m> {
     /// A failed forward (all or nothing: every sequence keeps its length before the call).
     pub fn forward(&mut self, work: &[Rows], wants: &Wants) -> anyhow::Result<(Vec<RowsOut>, f64)> {
         let started = Instant::now();
+        self.sync_donors(wants)?;
         let tap_ids = tap_ids(wants);
         let seqs = work
             .iter()
@@ -186,7 +232,7 @@ impl<'m> Target<'m> {
     /// Sequence `i`'s taps of the batch output and its K/V rows at `pos..`, as plain vectors
     /// for the proposer.
     fn collect_taps(
-        &self,
+        &mut self,
         out: &specula_models::BatchOutput,
         i: usize,
         seq: SeqId,
@@ -206,30 +252,52 @@ impl<'m> Target<'m> {
             true => Some(take(TapId::FinalNorm)?),
             false => None,
         };
-        let kv = wants
-            .kv_layers
-            .iter()
-            .map(|&l| Ok(self.pool.read_rows(seq, l, pos..pos + rows)?))
-            .collect::<anyhow::Result<Vec<_>>>()?;
+        let donor = match wants.kv_views {
+            true => self.donor_ref(seq, pos + rows)?,
+            false => None,
+        };
+        let kv = match donor.is_some() {
+            true => Vec::new(),
+            false => wants
+                .kv_layers
+                .iter()
+                .map(|&l| Ok(self.pool.read_rows(seq, l, pos..pos + rows)?))
+                .collect::<anyhow::Result<Vec<_>>>()?,
+        };
         Ok(TapRows {
             pos,
             rows,
             layers,
             final_hidden,
             kv,
+            donor,
         })
     }
 
-    /// The taps of `ids` run from position 0 on a scratch sequence (a re-sync after a hot
-    /// swap, when the engine did not keep them): bit-identical to the rows the sequence's own
-    /// forwards produced, since a row depends only on its sequence's tokens.
+    /// The taps of `session`'s first positions `ids`, run from position 0 on a scratch
+    /// sequence (a re-sync after a hot swap, when the engine did not keep them): bit-identical
+    /// to the rows the sequence's own forwards produced, since a row depends only on its
+    /// sequence's tokens. K/V read in place come from the session's own blocks.
     ///
     /// # Errors
     /// A failed forward.
-    pub fn taps_of(&self, ids: &[u32], wants: &Wants) -> anyhow::Result<TapRows> {
+    pub fn taps_of(
+        &mut self,
+        session: SessionId,
+        ids: &[u32],
+        wants: &Wants,
+    ) -> anyhow::Result<TapRows> {
         if ids.is_empty() || wants.is_empty() {
             return Ok(TapRows::default());
         }
+        self.sync_donors(wants)?;
+        let donor = match wants.kv_views {
+            true => {
+                let seq = self.seq(session)?;
+                self.donor_ref(seq, ids.len())?
+            }
+            false => None,
+        };
         let mut cache = self.model.new_cache();
         let req = ForwardRequest {
             logits: Select::Last(0),
@@ -257,11 +325,15 @@ impl<'m> Target<'m> {
                 true => Some(find(TapId::FinalNorm)?),
                 false => None,
             },
-            kv: wants
-                .kv_layers
-                .iter()
-                .map(|&l| Ok(cache.rows(l, 0..ids.len())?))
-                .collect::<anyhow::Result<_>>()?,
+            kv: match donor.is_some() {
+                true => Vec::new(),
+                false => wants
+                    .kv_layers
+                    .iter()
+                    .map(|&l| Ok(cache.rows(l, 0..ids.len())?))
+                    .collect::<anyhow::Result<_>>()?,
+            },
+            donor,
         })
     }
 }

@@ -26,7 +26,9 @@ use specula_models::sampling::SamplingParams;
 
 use super::AppState;
 use crate::engine::{EngineCounters, EngineSeries, SeriesKind};
-use crate::proposer::{Draft, DraftBatch, Health, Proposer, SessionId, TapRows, Verdict, Wants};
+use crate::proposer::{
+    Draft, DraftBatch, Health, Proposer, SessionId, TapRows, Transfer, Verdict, Wants,
+};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -106,6 +108,7 @@ struct Inner {
     acceptance: Family<DrafterLabels, Gauge<f64, AtomicU64>>,
     round_trip: HistogramFamily<DrafterLabels>,
     restarts: Family<DrafterLabels, Counter>,
+    kv_copied: Family<DrafterLabels, Counter>,
     cpu_seconds: Counter<f64, AtomicU64>,
     resident_bytes: Gauge,
     open_fds: Gauge,
@@ -143,6 +146,7 @@ impl Default for Metrics {
             acceptance: Family::default(),
             round_trip: Family::new_with_constructor(rtt_histogram),
             restarts: Family::default(),
+            kv_copied: Family::default(),
             cpu_seconds: Counter::default(),
             resident_bytes: Gauge::default(),
             open_fds: Gauge::default(),
@@ -243,6 +247,12 @@ impl Default for Metrics {
             "specula_drafter_restarts",
             "Drafter process restarts by the supervisor",
             i.restarts.clone(),
+        );
+        r.register_with_unit(
+            "specula_drafter_kv_copied",
+            "K/V rows copied into taps for the drafter (0 when it reads the KV pool in place)",
+            Unit::Bytes,
+            i.kv_copied.clone(),
         );
         r.register_with_unit(
             "process_cpu",
@@ -434,12 +444,31 @@ pub async fn handler(State(state): State<Arc<AppState>>) -> Response {
 pub struct Metered {
     inner: Box<dyn Proposer>,
     meter: Arc<DrafterMeter>,
+    /// The inner proposer's copied K/V bytes already counted.
+    kv_copied_seen: u64,
 }
 
 impl Metered {
     /// Wraps `inner`, counting into `meter`.
     pub fn new(inner: Box<dyn Proposer>, meter: Arc<DrafterMeter>) -> Self {
-        Metered { inner, meter }
+        Metered {
+            inner,
+            meter,
+            kv_copied_seen: 0,
+        }
+    }
+}
+
+impl Metered {
+    /// Adds the K/V bytes the inner proposer copied since the last call to the metric.
+    fn count_copies(&mut self) {
+        let now = self.inner.transfer().kv_copied_bytes;
+        let new = now.saturating_sub(self.kv_copied_seen);
+        self.kv_copied_seen = now;
+        if new > 0 {
+            let m = &self.meter.metrics;
+            m.kv_copied.get_or_create(&self.meter.labels).inc_by(new);
+        }
     }
 }
 
@@ -476,10 +505,16 @@ impl Proposer for Metered {
     fn commit(&mut self, session: SessionId, verdict: &Verdict<'_>) {
         self.meter.round(verdict.drafted, verdict.accepted);
         self.inner.commit(session, verdict);
+        self.count_copies();
     }
 
     fn advance(&mut self, session: SessionId, ids: &[u32], taps: Option<&TapRows>) {
         self.inner.advance(session, ids, taps);
+        self.count_copies();
+    }
+
+    fn transfer(&self) -> Transfer {
+        self.inner.transfer()
     }
 
     fn health(&self) -> Health {
