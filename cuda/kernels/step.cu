@@ -4,6 +4,14 @@
 // from device memory (`state`: state[0] = position of row 0, state[1..17] = the rows' tokens), so
 // one CUDA graph per window size replays with no parameter upload.
 //
+// Programmatic dependent launch: the host may launch each kernel while the previous one still
+// runs (`pdl`). Every kernel then calls grid_wait() before it touches activations, the cache or
+// any output (so it sees the previous kernel's writes, and by induction all earlier ones), and
+// grid_launch() right after, letting the next kernel be scheduled (one grid ahead at most).
+// The projections issue their first weight loads before grid_wait(): weights depend on
+// nothing, so their latency overlaps the previous kernel. Without the launch attribute both
+// instructions are no-ops.
+//
 // Layouts (row-major): activations [16 rows, width] (rows >= M are never read); a weight
 // [N, K] (out, in); the KV cache of a layer [kv_heads, max_ctx, head_dim].
 #include <cuda_bf16.h>
@@ -12,7 +20,6 @@
 typedef __nv_bfloat16 bf16;
 
 #define MAX_ROWS 16
-#define GEMM_WARPS 8
 #define GEMM_UNROLL 4
 #define ATTN_CHUNK 32
 #define ATTN_THREADS 128
@@ -67,6 +74,87 @@ __device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+__device__ __forceinline__ void grid_launch() { asm volatile("griddepcontrol.launch_dependents;"); }
+
+template <int WARPS>
+__device__ __forceinline__ void skinny_gemm_body(const bf16* __restrict__ X, const bf16* __restrict__ W,
+                                                 const bf16* __restrict__ bias, void* out, int M, int N,
+                                                 int K, int mode) {
+  __shared__ float red[WARPS][MAX_ROWS][8];
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int g = lane >> 2, t = lane & 3;
+  int n0 = blockIdx.x * 8;
+  const bf16* wrow = W + (size_t)(n0 + g) * K + t * 8;
+  const bf16* x0 = X + (size_t)g * K + t * 8;
+  const bf16* x1 = X + (size_t)(g + 8) * K + t * 8;
+  bool r0 = g < M, r1 = g + 8 < M;
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  int chunks = K / 32;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  uint4 wv[GEMM_UNROLL], av[GEMM_UNROLL], bv[GEMM_UNROLL];
+#pragma unroll
+  for (int u = 0; u < GEMM_UNROLL; u++) {
+    int cc = warp + u * WARPS;
+    wv[u] = cc < chunks ? load_stream(wrow + cc * 32) : zero;
+  }
+  grid_wait();
+  grid_launch();
+  for (int c = warp; c < chunks; c += WARPS * GEMM_UNROLL) {
+#pragma unroll
+    for (int u = 0; u < GEMM_UNROLL; u++) {
+      int cc = c + u * WARPS;
+      bool in = cc < chunks;
+      if (c != warp) wv[u] = in ? load_stream(wrow + cc * 32) : zero;
+      av[u] = (in && r0) ? *reinterpret_cast<const uint4*>(x0 + cc * 32) : zero;
+      bv[u] = (in && r1) ? *reinterpret_cast<const uint4*>(x1 + cc * 32) : zero;
+    }
+#pragma unroll
+    for (int u = 0; u < GEMM_UNROLL; u++) {
+      mma_bf16(d, av[u].x, bv[u].x, av[u].y, bv[u].y, wv[u].x, wv[u].y);
+      mma_bf16(d, av[u].z, bv[u].z, av[u].w, bv[u].w, wv[u].z, wv[u].w);
+    }
+  }
+  red[warp][g][2 * t] = d[0];
+  red[warp][g][2 * t + 1] = d[1];
+  red[warp][g + 8][2 * t] = d[2];
+  red[warp][g + 8][2 * t + 1] = d[3];
+  __syncthreads();
+  int tid = threadIdx.x;
+  if (mode == 2) {
+    if (tid < MAX_ROWS * 4) {
+      int m = tid >> 2, j = tid & 3;
+      if (m < M) {
+        float gate = 0.f, up = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) {
+          gate += red[w][m][2 * j];
+          up += red[w][m][2 * j + 1];
+        }
+        float s = gate / (1.f + __expf(-gate)) * up;
+        reinterpret_cast<bf16*>(out)[(size_t)m * (N / 2) + n0 / 2 + j] = __float2bfloat16(s);
+      }
+    }
+    return;
+  }
+  if (tid < MAX_ROWS * 8) {
+    int m = tid >> 3, col = tid & 7;
+    if (m < M) {
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; w++) s += red[w][m][col];
+      float* o = reinterpret_cast<float*>(out) + (size_t)m * N + n0 + col;
+      if (mode == 1) {
+        *o += s;
+      } else {
+        if (bias) s += __bfloat162float(bias[n0 + col]);
+        *o = s;
+      }
+    }
+  }
+}
+
 extern "C" {
 
 // Deterministic pseudo-random weights, uniform in [-half_width, half_width] (splitmix64 of the
@@ -92,6 +180,8 @@ __global__ void fill_const_bf16(bf16* out, uint64_t n, float value) {
 // x[m, :] = table[state[1 + m], :] in f32. Grid: M blocks.
 __global__ void embed(const bf16* __restrict__ table, const int* __restrict__ state,
                       float* __restrict__ x, int hidden) {
+  grid_wait();
+  grid_launch();
   int m = blockIdx.x;
   const bf16* row = table + (size_t)state[1 + m] * hidden;
   for (int i = threadIdx.x; i < hidden; i += blockDim.x)
@@ -101,6 +191,8 @@ __global__ void embed(const bf16* __restrict__ table, const int* __restrict__ st
 // y[m, :] = bf16(x[m, :] * rsqrt(mean(x^2) + eps) * w). Grid: M blocks.
 __global__ void rmsnorm(const float* __restrict__ x, const bf16* __restrict__ w,
                         bf16* __restrict__ y, int hidden, float eps) {
+  grid_wait();
+  grid_launch();
   int m = blockIdx.x;
   const float* row = x + (size_t)m * hidden;
   float ss = 0.f;
@@ -119,73 +211,19 @@ __global__ void rmsnorm(const float* __restrict__ x, const bf16* __restrict__ w,
 //   mode 1: out_f32[m, n] += acc                       (the residual add)
 //   mode 2: columns 2j, 2j+1 are gate_j, up_j: out_bf16[m, j] = silu(gate_j) * up_j
 // Needs N % 8 == 0, K % 32 == 0, 16-byte aligned rows (the host checks).
-__global__ void __launch_bounds__(GEMM_WARPS * 32)
+
+__global__ void __launch_bounds__(256)
     skinny_gemm(const bf16* __restrict__ X, const bf16* __restrict__ W,
                 const bf16* __restrict__ bias, void* out, int M, int N, int K, int mode) {
-  __shared__ float red[GEMM_WARPS][MAX_ROWS][8];
-  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  int g = lane >> 2, t = lane & 3;
-  int n0 = blockIdx.x * 8;
-  const bf16* wrow = W + (size_t)(n0 + g) * K + t * 8;
-  const bf16* x0 = X + (size_t)g * K + t * 8;
-  const bf16* x1 = X + (size_t)(g + 8) * K + t * 8;
-  bool r0 = g < M, r1 = g + 8 < M;
-  float d[4] = {0.f, 0.f, 0.f, 0.f};
-  int chunks = K / 32;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int c = warp; c < chunks; c += GEMM_WARPS * GEMM_UNROLL) {
-    uint4 wv[GEMM_UNROLL], av[GEMM_UNROLL], bv[GEMM_UNROLL];
-#pragma unroll
-    for (int u = 0; u < GEMM_UNROLL; u++) {
-      int cc = c + u * GEMM_WARPS;
-      bool in = cc < chunks;
-      wv[u] = in ? load_stream(wrow + cc * 32) : zero;
-      av[u] = (in && r0) ? *reinterpret_cast<const uint4*>(x0 + cc * 32) : zero;
-      bv[u] = (in && r1) ? *reinterpret_cast<const uint4*>(x1 + cc * 32) : zero;
-    }
-#pragma unroll
-    for (int u = 0; u < GEMM_UNROLL; u++) {
-      mma_bf16(d, av[u].x, bv[u].x, av[u].y, bv[u].y, wv[u].x, wv[u].y);
-      mma_bf16(d, av[u].z, bv[u].z, av[u].w, bv[u].w, wv[u].z, wv[u].w);
-    }
-  }
-  red[warp][g][2 * t] = d[0];
-  red[warp][g][2 * t + 1] = d[1];
-  red[warp][g + 8][2 * t] = d[2];
-  red[warp][g + 8][2 * t + 1] = d[3];
-  __syncthreads();
-  int tid = threadIdx.x;
-  if (mode == 2) {
-    if (tid < MAX_ROWS * 4) {
-      int m = tid >> 2, j = tid & 3;
-      if (m < M) {
-        float gate = 0.f, up = 0.f;
-#pragma unroll
-        for (int w = 0; w < GEMM_WARPS; w++) {
-          gate += red[w][m][2 * j];
-          up += red[w][m][2 * j + 1];
-        }
-        float s = gate / (1.f + __expf(-gate)) * up;
-        reinterpret_cast<bf16*>(out)[(size_t)m * (N / 2) + n0 / 2 + j] = __float2bfloat16(s);
-      }
-    }
-    return;
-  }
-  if (tid < MAX_ROWS * 8) {
-    int m = tid >> 3, col = tid & 7;
-    if (m < M) {
-      float s = 0.f;
-#pragma unroll
-      for (int w = 0; w < GEMM_WARPS; w++) s += red[w][m][col];
-      float* o = reinterpret_cast<float*>(out) + (size_t)m * N + n0 + col;
-      if (mode == 1) {
-        *o += s;
-      } else {
-        if (bias) s += __bfloat162float(bias[n0 + col]);
-        *o = s;
-      }
-    }
-  }
+  skinny_gemm_body<8>(X, W, bias, out, M, N, K, mode);
+}
+
+// The same with 16 warps splitting K: twice the loads in flight per output tile, for
+// projections with few output tiles (small N, long K).
+__global__ void __launch_bounds__(512)
+    skinny_gemm_w16(const bf16* __restrict__ X, const bf16* __restrict__ W,
+                    const bf16* __restrict__ bias, void* out, int M, int N, int K, int mode) {
+  skinny_gemm_body<16>(X, W, bias, out, M, N, K, mode);
 }
 
 // Per (row, head) of the fused q|k|v output: the optional per-head RMS norm (qwen3), rotary
@@ -197,6 +235,8 @@ __global__ void rope_kv(const float* __restrict__ qkv, const int* __restrict__ s
                         float* __restrict__ q, bf16* __restrict__ k_cache,
                         bf16* __restrict__ v_cache, int heads, int kv_heads, int hd, int max_ctx,
                         float eps) {
+  grid_wait();
+  grid_launch();
   int m = blockIdx.x, h = blockIdx.y, i = threadIdx.x, half = hd / 2;
   int pos = state[0] + m;
   int width = (heads + 2 * kv_heads) * hd;
@@ -241,6 +281,8 @@ __global__ void __launch_bounds__(ATTN_THREADS)
   __shared__ float k_s[ATTN_CHUNK][HD_MAX + 1];
   __shared__ float v_s[ATTN_CHUNK][HD_MAX];
   __shared__ float p_s[MAX_ROWS][ATTN_CHUNK];
+  grid_wait();
+  grid_launch();
   int h = blockIdx.x, s = blockIdx.y, splits = gridDim.y;
   int kvh = h / (heads / kv_heads);
   int pos0 = state[0];
@@ -296,6 +338,8 @@ __global__ void __launch_bounds__(ATTN_THREADS)
 __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                              const int* __restrict__ state, bf16* __restrict__ out, int heads,
                              int hd, int splits) {
+  grid_wait();
+  grid_launch();
   int h = blockIdx.x, m = blockIdx.y, dd = threadIdx.x;
   int used = (state[0] + m + 1 + ATTN_CHUNK - 1) / ATTN_CHUNK;
   size_t base = ((size_t)m * heads + h) * splits;
@@ -317,6 +361,8 @@ __global__ void attn_combine(const float* __restrict__ part_o, const float* __re
 __global__ void argmax_rows(const float* __restrict__ logits, int* __restrict__ ids, int vocab) {
   __shared__ float best_v[32];
   __shared__ int best_i[32];
+  grid_wait();
+  grid_launch();
   int m = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const float* row = logits + (size_t)m * vocab;
   float bv = -INFINITY;

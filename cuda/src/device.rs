@@ -85,6 +85,7 @@ pub struct Kernels {
     pub embed: CudaFunction,
     pub rmsnorm: CudaFunction,
     pub skinny_gemm: CudaFunction,
+    pub skinny_gemm_w16: CudaFunction,
     pub rope_kv: CudaFunction,
     pub attn_partial: CudaFunction,
     pub attn_combine: CudaFunction,
@@ -127,6 +128,7 @@ impl Gpu {
             embed: f("embed")?,
             rmsnorm: f("rmsnorm")?,
             skinny_gemm: f("skinny_gemm")?,
+            skinny_gemm_w16: f("skinny_gemm_w16")?,
             rope_kv: f("rope_kv")?,
             attn_partial: f("attn_partial")?,
             attn_combine: f("attn_combine")?,
@@ -220,6 +222,50 @@ impl Gpu {
             result::memcpy_dtoh_async(dst, src.ptr + offset_bytes as u64, self.stream.cu_stream())
         }
         .ctx(|| "copy from the GPU".into())
+    }
+
+    /// Launches `f` on the stream. With `pdl` (programmatic dependent launch) the kernel may
+    /// be scheduled while the previous one still runs: the kernels' `grid_wait()` orders their
+    /// memory accesses.
+    ///
+    /// # Safety
+    /// `args` must point at live values matching the kernel's parameters, and every pointer
+    /// among them at memory the kernel may access for this grid.
+    pub unsafe fn launch(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32),
+        block: u32,
+        pdl: bool,
+        args: &mut [*mut std::ffi::c_void],
+    ) -> std::result::Result<(), cudarc::driver::DriverError> {
+        self.ctx.bind_to_thread()?;
+        // SAFETY: a zeroed attribute is valid; only the fields set below are read.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(pdl),
+        };
+        // SAFETY: config and attr outlive the call; the caller vouches for args.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+            .result()
+        }
     }
 
     /// Waits for everything queued on the stream.

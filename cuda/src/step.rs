@@ -7,15 +7,18 @@
 //! add). Positions and tokens live in device memory (`state`), copied from pinned host memory
 //! by the graph's first node, so a graph captured once replays at every position; the argmax
 //! ids come back by its last node. Nothing inside a step allocates, syncs or uploads parameters.
+//! Kernels are launched with programmatic dependent launch (see `kernels/step.cu`), so in a
+//! graph each one is scheduled while its predecessor drains.
 
-use cudarc::driver::{sys, CudaGraph, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, CudaGraph};
 
 use crate::device::{DeviceBuffer, Gpu, Pinned};
 use crate::error::{Context, Error, Result};
 use crate::shape::{Shape, ATTN_CHUNK, MAX_ROWS};
 
-/// Threads of the projection kernel's block (`GEMM_WARPS * 32`).
-const GEMM_THREADS: u32 = 256;
+/// Projections with fewer outputs than this use the 16-warp kernel (twice the loads in flight
+/// per output tile; see `cuda-bench`'s per-shape table).
+const WIDE_BELOW: usize = 4096;
 
 /// One transformer block's weights (bf16, `[out, in]`). `gate_up` interleaves its rows:
 /// row `2j` is gate row `j`, row `2j + 1` is up row `j`.
@@ -68,6 +71,7 @@ pub struct Step {
     host_state: Pinned<i32>,
     host_ids: Pinned<i32>,
     graphs: Vec<Option<CudaGraph>>,
+    pdl: bool,
 }
 
 impl Step {
@@ -170,7 +174,18 @@ impl Step {
             host_state,
             host_ids,
             graphs: (0..=r).map(|_| None).collect(),
+            pdl: true,
         })
+    }
+
+    /// Turns programmatic dependent launch on or off (on by default: each kernel is scheduled
+    /// while the previous one finishes, and the projections start loading weights then).
+    /// Drops the captured graphs, which hold the launches' attributes.
+    pub fn set_pdl(&mut self, on: bool) {
+        if on != self.pdl {
+            self.pdl = on;
+            self.graphs.iter_mut().for_each(|g| *g = None);
+        }
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -266,88 +281,56 @@ impl Step {
         let k = &gpu.kernels;
         let sh = &self.shape;
         let s = &self.s;
-        let stream = &gpu.stream;
+        let stream = gpu.stream.cu_stream();
+        let pdl = self.pdl;
         let (mi, h) = (m as i32, sh.hidden as i32);
         let (heads, kvh, hd) = (sh.heads as i32, sh.kv_heads as i32, sh.head_dim as i32);
         let max_ctx = self.max_ctx as i32;
         let splits = self.max_ctx.div_ceil(ATTN_CHUNK) as u32;
+        let splits_i = splits as i32;
         let eps = sh.rms_eps;
         let scale = 1.0 / (sh.head_dim as f32).sqrt();
         let layer_cache = (sh.kv_heads * self.max_ctx * sh.head_dim * 2) as u64;
-        let cfg = |grid: (u32, u32), block: u32| LaunchConfig {
-            grid_dim: (grid.0, grid.1, 1),
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let fail = |what: &'static str| {
-            move |e| Error::Driver {
-                context: what.into(),
-                source: e,
-            }
-        };
+        let rows = m as u32;
 
-        // SAFETY (every launch below): each pointer is a live allocation sized in `new` for
-        // MAX_ROWS rows of the shape it is passed as, and the argument lists match the
-        // kernels' signatures in kernels/step.cu.
-        let st_ptr = s.state.ptr();
-        // SAFETY: host_state is pinned and lives as long as self (and so the graph).
-        unsafe {
-            cudarc::driver::result::memcpy_htod_async(
-                st_ptr,
-                self.host_state.as_slice(),
-                stream.cu_stream(),
-            )
+        // Every pointer passed below is a live allocation sized in `new` for MAX_ROWS rows of
+        // the shape it is passed as, and each argument list matches its kernel in step.cu.
+        macro_rules! launch {
+            ($f:expr, $grid:expr, $block:expr, $what:literal; $($arg:expr),* $(,)?) => {{
+                let mut args = [$(std::ptr::from_ref($arg).cast_mut().cast::<std::ffi::c_void>()),*];
+                // SAFETY: see above.
+                unsafe { gpu.launch($f, $grid, $block, pdl, &mut args) }
+                    .ctx(|| $what.into())
+            }};
         }
-        .map_err(fail("copying the step's inputs"))?;
+
+        let st = s.state.ptr();
+        // SAFETY: host_state is pinned, holds 1 + MAX_ROWS values and outlives the graph.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(st, self.host_state.raw().cast(), 4 * (1 + MAX_ROWS), stream)
+                .result()
+        }
+        .ctx(|| "copying the step's inputs".into())?;
         let (x, xn) = (s.x.ptr(), s.xn.ptr());
         let embed = self.weights.embed.ptr();
-        unsafe {
-            stream
-                .launch_builder(&k.embed)
-                .arg(&embed)
-                .arg(&st_ptr)
-                .arg(&x)
-                .arg(&h)
-                .launch(cfg((m as u32, 1), 256))
-        }
-        .map_err(fail("embed"))?;
-        let norm = |w: u64, out: u64| -> Result<()> {
-            unsafe {
-                stream
-                    .launch_builder(&k.rmsnorm)
-                    .arg(&x)
-                    .arg(&w)
-                    .arg(&out)
-                    .arg(&h)
-                    .arg(&eps)
-                    .launch(cfg((m as u32, 1), 256))
-            }
-            .map(|_| ())
-            .map_err(fail("rmsnorm"))
-        };
-        let gemm =
-            |xin: u64, w: u64, bias: u64, out: u64, n: usize, kk: usize, mode: i32| -> Result<()> {
-                let (ni, ki) = (n as i32, kk as i32);
-                unsafe {
-                    stream
-                        .launch_builder(&k.skinny_gemm)
-                        .arg(&xin)
-                        .arg(&w)
-                        .arg(&bias)
-                        .arg(&out)
-                        .arg(&mi)
-                        .arg(&ni)
-                        .arg(&ki)
-                        .arg(&mode)
-                        .launch(cfg(((n / 8) as u32, 1), GEMM_THREADS))
-                }
-                .map(|_| ())
-                .map_err(fail("skinny_gemm"))
+        launch!(&k.embed, (rows, 1), 256, "embed"; &embed, &st, &x, &h)?;
+        let norm = |w: u64, out: u64| launch!(&k.rmsnorm, (rows, 1), 256, "rmsnorm"; &x, &w, &out, &h, &eps);
+        let gemm = |xin: u64, w: u64, bias: u64, out: u64, n: usize, kk: usize, mode: i32| {
+            let (ni, ki) = (n as i32, kk as i32);
+            let grid = ((n / 8) as u32, 1);
+            let (f, threads) = if n < WIDE_BELOW {
+                (&k.skinny_gemm_w16, 512)
+            } else {
+                (&k.skinny_gemm, 256)
             };
+            launch!(f, grid, threads, "skinny_gemm"; &xin, &w, &bias, &out, &mi, &ni, &ki, &mode)
+        };
         let opt = |b: &Option<DeviceBuffer>| b.as_ref().map_or(0, DeviceBuffer::ptr);
         let (cos, sin) = (self.rope_cos.ptr(), self.rope_sin.ptr());
         let (qkv, q, attn, act) = (s.qkv.ptr(), s.q.ptr(), s.attn.ptr(), s.act.ptr());
         let (po, pml) = (s.part_o.ptr(), s.part_ml.ptr());
+        let rope_grid = (rows, (sh.heads + 2 * sh.kv_heads) as u32);
+        let half = (sh.head_dim / 2) as u32;
         for (l, lw) in self.weights.layers.iter().enumerate() {
             let kc = self.k_cache.ptr() + l as u64 * layer_cache;
             let vc = self.v_cache.ptr() + l as u64 * layer_cache;
@@ -362,59 +345,12 @@ impl Step {
                 0,
             )?;
             let (qn, kn) = (opt(&lw.q_norm), opt(&lw.k_norm));
-            let rope_grid = (m as u32, (sh.heads + 2 * sh.kv_heads) as u32);
-            unsafe {
-                stream
-                    .launch_builder(&k.rope_kv)
-                    .arg(&qkv)
-                    .arg(&st_ptr)
-                    .arg(&cos)
-                    .arg(&sin)
-                    .arg(&qn)
-                    .arg(&kn)
-                    .arg(&q)
-                    .arg(&kc)
-                    .arg(&vc)
-                    .arg(&heads)
-                    .arg(&kvh)
-                    .arg(&hd)
-                    .arg(&max_ctx)
-                    .arg(&eps)
-                    .launch(cfg(rope_grid, (sh.head_dim / 2) as u32))
-            }
-            .map_err(fail("rope_kv"))?;
-            unsafe {
-                stream
-                    .launch_builder(&k.attn_partial)
-                    .arg(&q)
-                    .arg(&kc)
-                    .arg(&vc)
-                    .arg(&st_ptr)
-                    .arg(&po)
-                    .arg(&pml)
-                    .arg(&mi)
-                    .arg(&heads)
-                    .arg(&kvh)
-                    .arg(&hd)
-                    .arg(&max_ctx)
-                    .arg(&scale)
-                    .launch(cfg((sh.heads as u32, splits), 128))
-            }
-            .map_err(fail("attn_partial"))?;
-            let splits_i = splits as i32;
-            unsafe {
-                stream
-                    .launch_builder(&k.attn_combine)
-                    .arg(&po)
-                    .arg(&pml)
-                    .arg(&st_ptr)
-                    .arg(&attn)
-                    .arg(&heads)
-                    .arg(&hd)
-                    .arg(&splits_i)
-                    .launch(cfg((sh.heads as u32, m as u32), 128))
-            }
-            .map_err(fail("attn_combine"))?;
+            launch!(&k.rope_kv, rope_grid, half, "rope_kv";
+                &qkv, &st, &cos, &sin, &qn, &kn, &q, &kc, &vc, &heads, &kvh, &hd, &max_ctx, &eps)?;
+            launch!(&k.attn_partial, (sh.heads as u32, splits), 128, "attn_partial";
+                &q, &kc, &vc, &st, &po, &pml, &mi, &heads, &kvh, &hd, &max_ctx, &scale)?;
+            launch!(&k.attn_combine, (sh.heads as u32, rows), 128, "attn_combine";
+                &po, &pml, &st, &attn, &heads, &hd, &splits_i)?;
             gemm(attn, lw.o.ptr(), 0, x, sh.hidden, sh.heads * sh.head_dim, 1)?;
             norm(lw.mlp_norm.ptr(), xn)?;
             gemm(
@@ -438,21 +374,12 @@ impl Step {
         let logits = s.logits.ptr();
         gemm(xn, lm, 0, logits, sh.vocab, sh.hidden, 0)?;
         let (ids, vocab) = (s.ids.ptr(), sh.vocab as i32);
-        unsafe {
-            stream
-                .launch_builder(&k.argmax_rows)
-                .arg(&logits)
-                .arg(&ids)
-                .arg(&vocab)
-                .launch(cfg((m as u32, 1), 1024))
-        }
-        .map_err(fail("argmax_rows"))?;
+        launch!(&k.argmax_rows, (rows, 1), 1024, "argmax_rows"; &logits, &ids, &vocab)?;
         // SAFETY: host_ids is pinned, holds MAX_ROWS ids and outlives the graph.
         unsafe {
-            sys::cuMemcpyDtoHAsync_v2(self.host_ids.raw().cast(), ids, 4 * m, stream.cu_stream())
-                .result()
+            sys::cuMemcpyDtoHAsync_v2(self.host_ids.raw().cast(), ids, 4 * m, stream).result()
         }
-        .map_err(fail("copying the ids back"))?;
+        .ctx(|| "copying the ids back".into())?;
         Ok(())
     }
 }

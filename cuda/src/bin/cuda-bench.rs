@@ -6,7 +6,7 @@
 //! Prints and writes: device-to-device copy bandwidth (bytes read + written), the bandwidth
 //! limit of decode (that bandwidth over the bytes one step reads: bf16 weights + bf16 KV at
 //! the context), plain decode tokens/s with graph replay (each token read back by the host, as
-//! a server must) and with eager launches, and the verify-window curve (median wall time of a
+//! a server must), the same without programmatic dependent launch, and with eager launches, and the verify-window curve (median wall time of a
 //! forward of 1–16 rows at the context, read back included).
 
 use std::time::Instant;
@@ -67,6 +67,53 @@ fn copy_gbps(gpu: &Gpu, mib: usize) -> Result<f64> {
     Ok(2.0 * bytes as f64 / (median(times) * 1e-3) / 1e9)
 }
 
+/// The projection kernel alone on one weight shape: launches back to back over a ring of
+/// weight copies larger than L2 (so each reads from memory), timed with events. Returns the
+/// microseconds of one launch and the weight bytes it streams per second.
+fn gemm_rate(gpu: &Gpu, wide: bool, rows: usize, n: usize, k: usize) -> Result<(f64, f64)> {
+    let bytes = 2 * n * k;
+    let copies = (512usize << 20).div_ceil(bytes).clamp(2, 64);
+    let ring: Vec<_> = (0..copies)
+        .map(|_| gpu.alloc(bytes))
+        .collect::<specula_cuda::Result<_>>()?;
+    for (i, w) in ring.iter().enumerate() {
+        gpu.fill_uniform(w.ptr(), n * k, i as u64, 0.03)?;
+    }
+    let x = gpu.alloc(2 * 16 * k)?;
+    gpu.fill_uniform(x.ptr(), 16 * k, 99, 1.0)?;
+    let out = gpu.alloc(4 * 16 * n)?;
+    let (xp, op, zero) = (x.ptr(), out.ptr(), 0u64);
+    let (mi, ni, ki, mode) = (rows as i32, n as i32, k as i32, 0i32);
+    let launch = |w: u64| -> Result<()> {
+        let mut args = [&xp as *const u64, &w, &zero, &op]
+            .map(|p| p.cast_mut().cast::<std::ffi::c_void>())
+            .to_vec();
+        args.extend(
+            [&mi, &ni, &ki, &mode]
+                .map(|p| std::ptr::from_ref(p).cast_mut().cast::<std::ffi::c_void>()),
+        );
+        let (f, threads) = if wide {
+            (&gpu.kernels.skinny_gemm_w16, 512)
+        } else {
+            (&gpu.kernels.skinny_gemm, 256)
+        };
+        // SAFETY: the buffers are sized for the kernel's arguments above.
+        unsafe { gpu.launch(f, ((n / 8) as u32, 1), threads, true, &mut args) }
+            .context("skinny_gemm")
+    };
+    for w in &ring {
+        launch(w.ptr())?;
+    }
+    let timer = Timer::new(gpu)?;
+    let reps = 4 * copies;
+    timer.start(gpu)?;
+    for i in 0..reps {
+        launch(ring[i % copies].ptr())?;
+    }
+    let us = timer.stop_ms(gpu)? as f64 * 1e3 / reps as f64;
+    Ok((us, bytes as f64 / (us * 1e-6) / 1e9))
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let shape = Shape::from_spec(&args.config)?;
@@ -78,6 +125,25 @@ fn main() -> Result<()> {
     } else {
         args.bandwidth_gbps
     };
+    let mut gemms = Vec::new();
+    for (what, n, k) in [
+        ("qkv", shape.qkv_width(), shape.hidden),
+        ("o_proj", shape.hidden, shape.heads * shape.head_dim),
+        ("gate_up", 2 * shape.intermediate, shape.hidden),
+        ("down", shape.hidden, shape.intermediate),
+        ("lm_head", shape.vocab, shape.hidden),
+    ] {
+        for rows in [1, 16] {
+            for warps in [8, 16] {
+                let (us, gb) = gemm_rate(&gpu, warps == 16, rows, n, k)?;
+                println!(
+                    "gemm {what:8} {n:6}x{k:5} rows {rows:2} warps {warps:2}: {us:8.2} us, {gb:6.0} GB/s ({:.0}% of copy)",
+                    100.0 * gb / gbps
+                );
+                gemms.push(json!({"proj": what, "n": n, "k": k, "rows": rows, "warps": warps, "us": us, "gbps": gb}));
+            }
+        }
+    }
     let max_ctx = args.context + args.decode_tokens + 32;
     let t = Instant::now();
     let mut step = Step::random(gpu, shape.clone(), max_ctx, 1)?;
@@ -109,6 +175,13 @@ fn main() -> Result<()> {
     decode(&mut step, true, last)?; // warm-up
     let (graph_tps, graph_ids) = decode(&mut step, true, last)?;
     let (eager_tps, eager_ids) = decode(&mut step, false, last)?;
+    step.set_pdl(false);
+    decode(&mut step, true, last)?; // captures the graph without PDL
+    let (nopdl_tps, nopdl_ids) = decode(&mut step, true, last)?;
+    step.set_pdl(true);
+    for &w in &args.windows {
+        step.capture(w)?;
+    }
     let mut curve = Vec::new();
     for &w in &args.windows {
         let tokens = &prompt[..w];
@@ -133,7 +206,11 @@ fn main() -> Result<()> {
         "copy {gbps:.0} GB/s; step reads {:.3} GB; limit {limit:.0} tok/s",
         bytes as f64 / 1e9
     );
-    println!("decode (graph) {graph_tps:.1} tok/s = {:.1}% of the limit; eager {eager_tps:.1} tok/s; graph ids = eager ids: {}", 100.0 * graph_tps / limit, graph_ids == eager_ids);
+    let same = graph_ids == eager_ids && graph_ids == nopdl_ids;
+    println!(
+        "decode (graph, PDL) {graph_tps:.1} tok/s = {:.1}% of the limit; graph without PDL {nopdl_tps:.1}; eager {eager_tps:.1}; same ids: {same}",
+        100.0 * graph_tps / limit
+    );
     for (w, ms) in &curve {
         println!("window {w:2}: {ms:.3} ms ({:.2}x)", ms / one);
     }
@@ -148,9 +225,11 @@ fn main() -> Result<()> {
         "limit_tok_s": limit,
         "decode_tok_s": graph_tps,
         "decode_eager_tok_s": eager_tps,
+        "decode_no_pdl_tok_s": nopdl_tps,
         "fraction_of_limit": graph_tps / limit,
-        "graph_ids_equal_eager": graph_ids == eager_ids,
+        "same_ids_graph_eager_no_pdl": same,
         "windows": curve.iter().map(|(w, ms)| json!({"rows": w, "ms": ms, "ratio": ms / one})).collect::<Vec<_>>(),
+        "gemm": gemms,
         "load_s": load_s,
         "capture_ms": capture_ms,
     });

@@ -7,12 +7,12 @@
 //!    embeddings, head_dim 128; qwen3-like with q/k norm): a prompt in windows of 16, 16 and 5
 //!    (attention over several splits), greedy decode steps, a verify window of 8, and a
 //!    rewritten window (rollback), each against the reference's logits; graph replay and
-//!    eager launches must agree bit for bit.
+//!    eager launches must agree bit for bit, a window of 8 must equal 8 single steps bit for
+//!    bit (batch invariance), and launches without programmatic dependent launch likewise.
 //!
 //! Prints one line per check and exits 1 if any fails.
 
 use anyhow::{bail, Context, Result};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use specula_cuda::reference::{matmul, rel_err, HostWeights, Reference};
@@ -35,11 +35,13 @@ fn main() -> Result<()> {
         (9, 96, 1536, 2),
     ] {
         let bias = mode == 0 && m == 1;
-        let err = check_gemm(&gpu, &mut rng, m, n, k, mode, bias)?;
-        failures += report(
-            &format!("skinny_gemm m={m} n={n} k={k} mode={mode} bias={bias}"),
-            err,
-        );
+        for wide in [false, true] {
+            let err = check_gemm(&gpu, &mut rng, wide, (m, n, k), mode, bias)?;
+            let warps = if wide { 16 } else { 8 };
+            let what =
+                format!("skinny_gemm warps={warps} m={m} n={n} k={k} mode={mode} bias={bias}");
+            failures += report(&what, err);
+        }
     }
     let tiny = |hidden, heads, kv, hd, bias: bool, qk: bool| Shape {
         vocab: 512,
@@ -91,9 +93,8 @@ fn to_f32(v: &[u16]) -> Vec<f32> {
 fn check_gemm(
     gpu: &Gpu,
     rng: &mut impl Rng,
-    m: usize,
-    n: usize,
-    k: usize,
+    wide: bool,
+    (m, n, k): (usize, usize, usize),
     mode: i32,
     with_bias: bool,
 ) -> Result<f64> {
@@ -128,25 +129,23 @@ fn check_gemm(
     let (px, pw, pout) = (dx.ptr(), dw.ptr(), dout.ptr());
     let pb = if with_bias { db.ptr() } else { 0 };
     let (mi, ni, ki) = (m as i32, n as i32, k as i32);
-    let cfg = LaunchConfig {
-        grid_dim: ((n / 8) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+    let (f, threads) = if wide {
+        (&gpu.kernels.skinny_gemm_w16, 512)
+    } else {
+        (&gpu.kernels.skinny_gemm, 256)
     };
+    let mut args: Vec<*mut std::ffi::c_void> = vec![
+        std::ptr::from_ref(&px).cast_mut().cast(),
+        std::ptr::from_ref(&pw).cast_mut().cast(),
+        std::ptr::from_ref(&pb).cast_mut().cast(),
+        std::ptr::from_ref(&pout).cast_mut().cast(),
+        std::ptr::from_ref(&mi).cast_mut().cast(),
+        std::ptr::from_ref(&ni).cast_mut().cast(),
+        std::ptr::from_ref(&ki).cast_mut().cast(),
+        std::ptr::from_ref(&mode).cast_mut().cast(),
+    ];
     // SAFETY: buffers sized above for the kernel's arguments.
-    unsafe {
-        gpu.stream
-            .launch_builder(&gpu.kernels.skinny_gemm)
-            .arg(&px)
-            .arg(&pw)
-            .arg(&pb)
-            .arg(&pout)
-            .arg(&mi)
-            .arg(&ni)
-            .arg(&ki)
-            .arg(&mode)
-            .launch(cfg)?;
-    }
+    unsafe { gpu.launch(f, ((n / 8) as u32, 1), threads, false, &mut args) }?;
     let acc = matmul(&to_f32(&x[..m * k]), m, &w, n, k);
     let (got, want) = if mode == 2 {
         let mut o = vec![0u16; out_len];
@@ -271,6 +270,42 @@ fn check_forward(name: &str, shape: Shape, seed: u64) -> Result<usize> {
         if same { "PASS" } else { "FAIL" }
     );
     failures += usize::from(!same);
+    // Batch invariance: a verify window's rows equal the same tokens run one by one, bit for
+    // bit (every row's sums run in one fixed order whatever the window), so speculation cannot
+    // change greedy output through rounding.
+    let at = pos + 3;
+    step.forward(&window, at, true)?;
+    let win = step.logits(8)?;
+    let mut same_rows = 0;
+    for (i, &t) in window.iter().enumerate() {
+        step.forward(&[t], at + i, true)?;
+        let row = step.logits(1)?;
+        same_rows += usize::from(
+            row.iter()
+                .zip(&win[i * vocab..])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+        );
+    }
+    let ok = same_rows == window.len();
+    println!(
+        "{} {name}: window of 8 = 8 single steps, bit for bit ({same_rows}/8 rows)",
+        if ok { "PASS" } else { "FAIL" }
+    );
+    failures += usize::from(!ok);
+    // Programmatic dependent launch changes scheduling only.
+    step.set_pdl(false);
+    step.forward(&window, at, true)?;
+    let plain = step.logits(8)?;
+    step.set_pdl(true);
+    let ok = plain
+        .iter()
+        .zip(&win)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    println!(
+        "{} {name}: launches without PDL give the same logits",
+        if ok { "PASS" } else { "FAIL" }
+    );
+    failures += usize::from(!ok);
     // Bad inputs are refused before anything runs.
     let refused = step.forward(&[vocab as u32], 0, true).is_err()
         && step.forward(&[0; 17], 0, true).is_err()
