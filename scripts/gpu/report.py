@@ -25,6 +25,39 @@ def fmt_bool(x):
     return "n/a" if x is None else ("yes" if x else "no")
 
 
+def cuda_step_table(presets, step, peer, candle, hf_decode):
+    """The CUDA step (specula-cuda) beside PyTorch + CUDA graph, candle and HF, same run."""
+    lines = ["", "CUDA step (`cuda-bench`: own kernels, one CUDA graph per window; bf16 weights "
+             "and KV) beside the PyTorch + CUDA graph peer (`scripts/gpu/torch_step.py`):", "",
+             "| shape | bytes/token | limit tok/s | CUDA step tok/s | of limit | without PDL "
+             "tok/s | eager launches tok/s | PyTorch + graph tok/s | of limit | candle tok/s | HF tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in presets:
+        s, t = step.get(p) or {}, peer.get(p) or {}
+        lim = s.get("limit_tok_s")
+        tp = t.get("decode_tok_s")
+        cd = ((candle.get(p) or {}).get("decode") or {}).get("tokens_per_s")
+        lines.append(
+            f"| {p} | {fmt(s.get('bytes_per_token') and s['bytes_per_token'] / 1e9, '.2f')} GB | "
+            f"{fmt(lim, '.0f')} | {fmt(s.get('decode_tok_s'))} | "
+            f"{fmt(s.get('fraction_of_limit'), '.2f')} | {fmt(s.get('decode_no_pdl_tok_s'))} | "
+            f"{fmt(s.get('decode_eager_tok_s'))} | "
+            f"{fmt(tp)} | {fmt(tp / lim if tp and lim else None, '.2f')} | {fmt(cd)} | "
+            f"{fmt((hf_decode.get(p) or {}).get('decode_tokens_per_s'))} |")
+    lines += ["", "Verify window, CUDA step vs PyTorch + graph (ms; x = relative to 1 row):", "",
+              "| window | " + " | ".join(f"{p} CUDA step | {p} PyTorch" for p in presets) + " |",
+              "|---|" + "---|---|" * len(presets)]
+    rows = sorted({w["rows"] for s in step.values() if s for w in s["windows"]})
+    for w in rows:
+        cells = []
+        for p in presets:
+            for src in (step.get(p), peer.get(p)):
+                v = next((v for v in (src or {}).get("windows", []) if v["rows"] == w), None)
+                cells.append("n/a" if v is None else f"{v['ms']:.3f} ({v['ratio']:.2f}x)")
+        lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main():
     out, presets = sys.argv[1], sys.argv[2:]
     gpu = open(os.path.join(out, "gpu.txt")).read().strip() if os.path.exists(
@@ -33,7 +66,10 @@ def main():
     echo = {p: load(os.path.join(out, f"specula-{p}-echo.json")) for p in presets}
     hf = load(os.path.join(out, "hf.json")) or {}
     hf_decode = {d["model"]: d for d in hf.get("decode", [])}
-    results = {"gpu": gpu, "specula": specula, "specula_echo": echo, "hf": hf}
+    step = {p: load(os.path.join(out, f"cuda-{p}.json")) for p in presets}
+    peer = load(os.path.join(out, "torch.json")) or {}
+    results = {"gpu": gpu, "specula": specula, "specula_echo": echo, "hf": hf,
+               "specula_cuda": step, "torch_graph": peer}
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
 
@@ -58,6 +94,7 @@ def main():
             f"{fmt(d.get('bandwidth_limit_tokens_per_s'))} | {fmt(sp)} | "
             f"{fmt(d.get('fraction_of_limit'), '.2f')} | {fmt(hp)} | "
             f"{fmt(sp / hp if sp and hp else None, '.2f')} |")
+    lines += cuda_step_table(presets, step, peer, specula, hf_decode)
     lines += ["", "Verify window forward time at context 512 (ms; x = relative to 1 token):", "",
               "| window | " + " | ".join(presets) + " |", "|---|" + "---|" * len(presets)]
     windows = sorted({v["window"] for s in specula.values() if s for v in s["verify"]})

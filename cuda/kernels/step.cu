@@ -1,0 +1,408 @@
+// The decode/verify step of a llama-family transformer (llama, qwen2, qwen3) for 1–16 query
+// rows: bf16 weights and KV cache, f32 accumulation and residual stream. Compiled to PTX by
+// build.rs (nvcc, sm_90) and loaded through cudarc; every kernel reads its lengths and positions
+// from device memory (`state`: state[0] = position of row 0, state[1..17] = the rows' tokens), so
+// one CUDA graph per window size replays with no parameter upload.
+//
+// Programmatic dependent launch: the host may launch each kernel while the previous one still
+// runs (`pdl`). Every kernel then calls grid_wait() before it touches activations, the cache or
+// any output (so it sees the previous kernel's writes, and by induction all earlier ones), and
+// grid_launch() right after, letting the next kernel be scheduled (one grid ahead at most).
+// The projections issue their first weight loads before grid_wait(): weights depend on
+// nothing, so their latency overlaps the previous kernel. Without the launch attribute both
+// instructions are no-ops.
+//
+// Layouts (row-major): activations [16 rows, width] (rows >= M are never read); a weight
+// [N, K] (out, in); the KV cache of a layer [kv_heads, max_ctx, head_dim].
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+typedef __nv_bfloat16 bf16;
+
+#define MAX_ROWS 16
+#define GEMM_UNROLL 4
+#define ATTN_CHUNK 32
+#define ATTN_THREADS 128
+#define HD_MAX 128
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the total.
+__device__ float block_sum(float v) {
+  __shared__ float part[32];
+  __shared__ float total;
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_sum(v);
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float s = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f;
+    s = warp_sum(s);
+    if (lane == 0) total = s;
+  }
+  __syncthreads();
+  float r = total;
+  __syncthreads();
+  return r;
+}
+
+// 16 bytes of weights that are read once per step: bypass L1.
+__device__ __forceinline__ uint4 load_stream(const bf16* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+__device__ __forceinline__ void grid_launch() { asm volatile("griddepcontrol.launch_dependents;"); }
+
+template <int WARPS>
+__device__ __forceinline__ void skinny_gemm_body(const bf16* __restrict__ X, const bf16* __restrict__ W,
+                                                 const bf16* __restrict__ bias, void* out, int M, int N,
+                                                 int K, int mode) {
+  __shared__ float red[WARPS][MAX_ROWS][8];
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int g = lane >> 2, t = lane & 3;
+  int n0 = blockIdx.x * 8;
+  const bf16* wrow = W + (size_t)(n0 + g) * K + t * 8;
+  const bf16* x0 = X + (size_t)g * K + t * 8;
+  const bf16* x1 = X + (size_t)(g + 8) * K + t * 8;
+  bool r0 = g < M, r1 = g + 8 < M;
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  int chunks = K / 32;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  uint4 wv[GEMM_UNROLL], av[GEMM_UNROLL], bv[GEMM_UNROLL];
+#pragma unroll
+  for (int u = 0; u < GEMM_UNROLL; u++) {
+    int cc = warp + u * WARPS;
+    wv[u] = cc < chunks ? load_stream(wrow + cc * 32) : zero;
+  }
+  grid_wait();
+  grid_launch();
+  for (int c = warp; c < chunks; c += WARPS * GEMM_UNROLL) {
+#pragma unroll
+    for (int u = 0; u < GEMM_UNROLL; u++) {
+      int cc = c + u * WARPS;
+      bool in = cc < chunks;
+      if (c != warp) wv[u] = in ? load_stream(wrow + cc * 32) : zero;
+      av[u] = (in && r0) ? *reinterpret_cast<const uint4*>(x0 + cc * 32) : zero;
+      bv[u] = (in && r1) ? *reinterpret_cast<const uint4*>(x1 + cc * 32) : zero;
+    }
+#pragma unroll
+    for (int u = 0; u < GEMM_UNROLL; u++) {
+      mma_bf16(d, av[u].x, bv[u].x, av[u].y, bv[u].y, wv[u].x, wv[u].y);
+      mma_bf16(d, av[u].z, bv[u].z, av[u].w, bv[u].w, wv[u].z, wv[u].w);
+    }
+  }
+  red[warp][g][2 * t] = d[0];
+  red[warp][g][2 * t + 1] = d[1];
+  red[warp][g + 8][2 * t] = d[2];
+  red[warp][g + 8][2 * t + 1] = d[3];
+  __syncthreads();
+  int tid = threadIdx.x;
+  if (mode == 2) {
+    if (tid < MAX_ROWS * 4) {
+      int m = tid >> 2, j = tid & 3;
+      if (m < M) {
+        float gate = 0.f, up = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) {
+          gate += red[w][m][2 * j];
+          up += red[w][m][2 * j + 1];
+        }
+        float s = gate / (1.f + __expf(-gate)) * up;
+        reinterpret_cast<bf16*>(out)[(size_t)m * (N / 2) + n0 / 2 + j] = __float2bfloat16(s);
+      }
+    }
+    return;
+  }
+  if (tid < MAX_ROWS * 8) {
+    int m = tid >> 3, col = tid & 7;
+    if (m < M) {
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; w++) s += red[w][m][col];
+      float* o = reinterpret_cast<float*>(out) + (size_t)m * N + n0 + col;
+      if (mode == 1) {
+        *o += s;
+      } else {
+        if (bias) s += __bfloat162float(bias[n0 + col]);
+        *o = s;
+      }
+    }
+  }
+}
+
+extern "C" {
+
+// Deterministic pseudo-random weights, uniform in [-half_width, half_width] (splitmix64 of the
+// element index and seed), drawn on the device: an 8B model needs no host-to-device copy.
+__global__ void fill_uniform_bf16(bf16* out, uint64_t n, uint64_t seed, float half_width) {
+  uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n; i += stride) {
+    uint64_t z = i + seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    float u = (float)(z >> 40) * (1.0f / 16777216.0f);
+    out[i] = __float2bfloat16((2.f * u - 1.f) * half_width);
+  }
+}
+
+__global__ void fill_const_bf16(bf16* out, uint64_t n, float value) {
+  uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n; i += stride)
+    out[i] = __float2bfloat16(value);
+}
+
+// x[m, :] = table[state[1 + m], :] in f32. Grid: M blocks.
+__global__ void embed(const bf16* __restrict__ table, const int* __restrict__ state,
+                      float* __restrict__ x, int hidden) {
+  grid_wait();
+  grid_launch();
+  int m = blockIdx.x;
+  const bf16* row = table + (size_t)state[1 + m] * hidden;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+    x[(size_t)m * hidden + i] = __bfloat162float(row[i]);
+}
+
+// y[m, :] = bf16(x[m, :] * rsqrt(mean(x^2) + eps) * w). Grid: M blocks.
+__global__ void rmsnorm(const float* __restrict__ x, const bf16* __restrict__ w,
+                        bf16* __restrict__ y, int hidden, float eps) {
+  grid_wait();
+  grid_launch();
+  int m = blockIdx.x;
+  const float* row = x + (size_t)m * hidden;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) ss += row[i] * row[i];
+  float r = rsqrtf(block_sum(ss) / hidden + eps);
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+    y[(size_t)m * hidden + i] = __float2bfloat16(row[i] * r * __bfloat162float(w[i]));
+}
+
+// The projections of 1–16 rows: acc[m, n] = sum_k X[m, k] W[n, k], W streamed from memory
+// once for all rows. One block per 8 output columns; its warps split K and meet in shared
+// memory. Tensor cores (mma m16n8k16) do the products: each lane loads 16 bytes of a weight row
+// (8 consecutive k) and the same 8 k of its two activation rows; the k order inside the two
+// mma steps is a permutation shared by A and B, so the sum is the plain dot product.
+//   mode 0: out_f32[m, n] = acc (+ bias[n] when bias is not null)
+//   mode 1: out_f32[m, n] += acc                       (the residual add)
+//   mode 2: columns 2j, 2j+1 are gate_j, up_j: out_bf16[m, j] = silu(gate_j) * up_j
+// Needs N % 8 == 0, K % 32 == 0, 16-byte aligned rows (the host checks).
+
+__global__ void __launch_bounds__(256)
+    skinny_gemm(const bf16* __restrict__ X, const bf16* __restrict__ W,
+                const bf16* __restrict__ bias, void* out, int M, int N, int K, int mode) {
+  skinny_gemm_body<8>(X, W, bias, out, M, N, K, mode);
+}
+
+// The same with 16 warps splitting K: twice the loads in flight per output tile, for
+// projections with few output tiles (small N, long K).
+__global__ void __launch_bounds__(512)
+    skinny_gemm_w16(const bf16* __restrict__ X, const bf16* __restrict__ W,
+                    const bf16* __restrict__ bias, void* out, int M, int N, int K, int mode) {
+  skinny_gemm_body<16>(X, W, bias, out, M, N, K, mode);
+}
+
+// Per (row, head) of the fused q|k|v output: the optional per-head RMS norm (qwen3), rotary
+// embedding (rotate-half) at position state[0] + m, then q to `q` (f32 [M, heads, hd]) and k, v
+// into the layer's cache at that position. Grid: (M, heads + 2 kv_heads); block: hd / 2.
+__global__ void rope_kv(const float* __restrict__ qkv, const int* __restrict__ state,
+                        const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                        const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm,
+                        float* __restrict__ q, bf16* __restrict__ k_cache,
+                        bf16* __restrict__ v_cache, int heads, int kv_heads, int hd, int max_ctx,
+                        float eps) {
+  grid_wait();
+  grid_launch();
+  int m = blockIdx.x, h = blockIdx.y, i = threadIdx.x, half = hd / 2;
+  int pos = state[0] + m;
+  int width = (heads + 2 * kv_heads) * hd;
+  const float* src = qkv + (size_t)m * width + (size_t)h * hd;
+  float a = src[i], b = src[i + half];
+  if (h >= heads + kv_heads) {  // v: straight into the cache
+    int kvh = h - heads - kv_heads;
+    bf16* dst = v_cache + ((size_t)kvh * max_ctx + pos) * hd;
+    dst[i] = __float2bfloat16(a);
+    dst[i + half] = __float2bfloat16(b);
+    return;
+  }
+  const bf16* nw = h < heads ? q_norm : k_norm;
+  if (nw) {  // uniform per block: the branch holds no divergent barrier
+    float r = rsqrtf(block_sum(a * a + b * b) / hd + eps);
+    a = a * r * __bfloat162float(nw[i]);
+    b = b * r * __bfloat162float(nw[i + half]);
+  }
+  float c = cos_t[(size_t)pos * half + i], s = sin_t[(size_t)pos * half + i];
+  float ra = a * c - b * s, rb = b * c + a * s;
+  if (h < heads) {
+    float* dst = q + ((size_t)m * heads + h) * hd;
+    dst[i] = ra;
+    dst[i + half] = rb;
+  } else {
+    bf16* dst = k_cache + ((size_t)(h - heads) * max_ctx + pos) * hd;
+    dst[i] = __float2bfloat16(ra);
+    dst[i + half] = __float2bfloat16(rb);
+  }
+}
+
+// Split-KV attention, first pass: block (head h, split s) takes keys [32 s, 32 s + 32) for all
+// M rows of head h (causal: row m sees keys 0..state[0] + m) and writes its unnormalised output
+// and (max, sum) for the second pass. Splits past the current length exit at once, so a graph
+// sized for max_ctx replays at any length. Grid: (heads, ceil(max_ctx / 32)); block: 128.
+__global__ void __launch_bounds__(ATTN_THREADS)
+    attn_partial(const float* __restrict__ q, const bf16* __restrict__ k_cache,
+                 const bf16* __restrict__ v_cache, const int* __restrict__ state,
+                 float* __restrict__ part_o, float* __restrict__ part_ml, int M, int heads,
+                 int kv_heads, int hd, int max_ctx, float scale) {
+  __shared__ float q_s[MAX_ROWS][HD_MAX];
+  __shared__ float k_s[ATTN_CHUNK][HD_MAX + 1];
+  __shared__ float v_s[ATTN_CHUNK][HD_MAX];
+  __shared__ float p_s[MAX_ROWS][ATTN_CHUNK];
+  grid_wait();
+  grid_launch();
+  int h = blockIdx.x, s = blockIdx.y, splits = gridDim.y;
+  int kvh = h / (heads / kv_heads);
+  int pos0 = state[0];
+  int kbeg = s * ATTN_CHUNK;
+  if (kbeg >= pos0 + M) return;
+  int nk = min(ATTN_CHUNK, pos0 + M - kbeg);
+  int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (int e = tid; e < M * hd; e += ATTN_THREADS) {
+    int m = e / hd, dd = e % hd;
+    q_s[m][dd] = q[((size_t)m * heads + h) * hd + dd] * scale;
+  }
+  const bf16* kc = k_cache + ((size_t)kvh * max_ctx + kbeg) * hd;
+  const bf16* vc = v_cache + ((size_t)kvh * max_ctx + kbeg) * hd;
+  for (int e = tid; e < nk * hd; e += ATTN_THREADS) {
+    int j = e / hd, dd = e % hd;
+    k_s[j][dd] = __bfloat162float(kc[e]);
+    v_s[j][dd] = __bfloat162float(vc[e]);
+  }
+  __syncthreads();
+  for (int e = tid; e < M * ATTN_CHUNK; e += ATTN_THREADS) {
+    int m = e / ATTN_CHUNK, j = e % ATTN_CHUNK;
+    float sc = -INFINITY;
+    if (j < nk && kbeg + j <= pos0 + m) {
+      sc = 0.f;
+      for (int dd = 0; dd < hd; dd++) sc += q_s[m][dd] * k_s[j][dd];
+    }
+    p_s[m][j] = sc;
+  }
+  __syncthreads();
+  for (int m = warp; m < M; m += ATTN_THREADS / 32) {
+    float v = p_s[m][lane];
+    float mx = warp_max(v);
+    float e = mx == -INFINITY ? 0.f : __expf(v - mx);
+    p_s[m][lane] = e;
+    float sum = warp_sum(e);
+    if (lane == 0) {
+      size_t at = ((size_t)m * heads + h) * splits + s;
+      part_ml[2 * at] = mx;
+      part_ml[2 * at + 1] = sum;
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < M * hd; e += ATTN_THREADS) {
+    int m = e / hd, dd = e % hd;
+    float o = 0.f;
+    for (int j = 0; j < nk; j++) o += p_s[m][j] * v_s[j][dd];
+    part_o[(((size_t)m * heads + h) * splits + s) * hd + dd] = o;
+  }
+}
+
+// Split-KV attention, second pass: row m of head h merges the splits that hold its keys and
+// writes bf16 out[m, h * hd + d]. Grid: (heads, M); block: 128 (hd <= 128).
+__global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                             const int* __restrict__ state, bf16* __restrict__ out, int heads,
+                             int hd, int splits) {
+  grid_wait();
+  grid_launch();
+  int h = blockIdx.x, m = blockIdx.y, dd = threadIdx.x;
+  int used = (state[0] + m + 1 + ATTN_CHUNK - 1) / ATTN_CHUNK;
+  size_t base = ((size_t)m * heads + h) * splits;
+  float gmax = -INFINITY;
+  for (int s = 0; s < used; s++) gmax = fmaxf(gmax, part_ml[2 * (base + s)]);
+  if (dd >= hd) return;
+  float o = 0.f, l = 0.f;
+  for (int s = 0; s < used; s++) {
+    float mx = part_ml[2 * (base + s)];
+    if (mx == -INFINITY) continue;
+    float w = __expf(mx - gmax);
+    l += w * part_ml[2 * (base + s) + 1];
+    o += w * part_o[(base + s) * hd + dd];
+  }
+  out[((size_t)m * heads + h) * hd + dd] = __float2bfloat16(o / l);
+}
+
+// ids[m] = argmax of logits[m, :] (the lowest index among equal maxima). Grid: M; block: 1024.
+__global__ void argmax_rows(const float* __restrict__ logits, int* __restrict__ ids, int vocab) {
+  __shared__ float best_v[32];
+  __shared__ int best_i[32];
+  grid_wait();
+  grid_launch();
+  int m = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float* row = logits + (size_t)m * vocab;
+  float bv = -INFINITY;
+  int bi = 0x7fffffff;
+  for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+    float v = row[i];
+    if (v > bv) {
+      bv = v;
+      bi = i;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (ov > bv || (ov == bv && oi < bi)) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+  if (lane == 0) {
+    best_v[warp] = bv;
+    best_i[warp] = bi;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    int nw = blockDim.x >> 5;
+    bv = lane < nw ? best_v[lane] : -INFINITY;
+    bi = lane < nw ? best_i[lane] : 0x7fffffff;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    if (lane == 0) ids[m] = bi;
+  }
+}
+
+}  // extern "C"

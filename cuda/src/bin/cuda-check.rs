@@ -1,0 +1,320 @@
+//! The device check of the CUDA step (run on the GPU machine; `scripts/gpu-bench` runs it
+//! first): every kernel against the CPU reference on fresh random inputs.
+//!
+//! 1. The projection kernel alone, in its three epilogues, at the real models' widths (K up to
+//!    12288) and 1–16 rows, outputs poisoned with NaN first so that an unwritten one fails.
+//! 2. Whole forwards of three tiny models (llama-like; qwen2-like with q/k/v bias and tied
+//!    embeddings, head_dim 128; qwen3-like with q/k norm): a prompt in windows of 16, 16 and 5
+//!    (attention over several splits), greedy decode steps, a verify window of 8, and a
+//!    rewritten window (rollback), each against the reference's logits; graph replay and
+//!    eager launches must agree bit for bit, a window of 8 must equal 8 single steps bit for
+//!    bit (batch invariance), and launches without programmatic dependent launch likewise.
+//!
+//! Prints one line per check and exits 1 if any fails.
+
+use anyhow::{bail, Context, Result};
+use half::bf16;
+use rand::{Rng, SeedableRng};
+use specula_cuda::reference::{matmul, rel_err, HostWeights, Reference};
+use specula_cuda::{Gpu, Shape, Step};
+
+/// Largest ‖gpu − ref‖ / ‖ref‖ accepted: bf16 operands with f32 sums land near 1e-3.
+const TOL: f64 = 1e-2;
+
+fn main() -> Result<()> {
+    let gpu = Gpu::new(0).context("opening the GPU")?;
+    println!("cuda-check on {}", gpu.name());
+    let mut failures = 0;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(std::process::id() as u64);
+    for (m, n, k, mode) in [
+        (1, 1024, 4096, 0),
+        (3, 512, 12288, 1),
+        (16, 2048, 4096, 2),
+        (7, 136, 96, 0),
+        (16, 4096, 12288, 1),
+        (9, 96, 1536, 2),
+    ] {
+        let bias = mode == 0 && m == 1;
+        for wide in [false, true] {
+            let err = check_gemm(&gpu, &mut rng, wide, (m, n, k), mode, bias)?;
+            let warps = if wide { 16 } else { 8 };
+            let what =
+                format!("skinny_gemm warps={warps} m={m} n={n} k={k} mode={mode} bias={bias}");
+            failures += report(&what, err);
+        }
+    }
+    let tiny = |hidden, heads, kv, hd, bias: bool, qk: bool| Shape {
+        vocab: 512,
+        hidden,
+        intermediate: 2 * hidden,
+        layers: 2,
+        heads,
+        kv_heads: kv,
+        head_dim: hd,
+        rms_eps: 1e-6,
+        rope_theta: 10_000.0,
+        tied_embeddings: bias,
+        qkv_bias: bias,
+        qk_norm: qk,
+    };
+    for (name, shape) in [
+        ("llama-like", tiny(256, 4, 2, 64, false, false)),
+        ("qwen2-like", tiny(256, 2, 1, 128, true, false)),
+        ("qwen3-like", tiny(512, 8, 2, 64, false, true)),
+    ] {
+        failures += check_forward(name, shape, rng.random())?;
+    }
+    if failures > 0 {
+        bail!("{failures} checks failed");
+    }
+    println!("all checks passed");
+    Ok(())
+}
+
+fn report(what: &str, err: f64) -> usize {
+    let ok = err < TOL;
+    println!(
+        "{} {what}: rel err {err:.2e}",
+        if ok { "PASS" } else { "FAIL" }
+    );
+    usize::from(!ok)
+}
+
+fn rand_bf16(rng: &mut impl Rng, n: usize, a: f32) -> Vec<u16> {
+    (0..n)
+        .map(|_| bf16::from_f32(rng.random_range(-a..a)).to_bits())
+        .collect()
+}
+
+fn to_f32(v: &[u16]) -> Vec<f32> {
+    v.iter().map(|&b| bf16::from_bits(b).to_f32()).collect()
+}
+
+fn check_gemm(
+    gpu: &Gpu,
+    rng: &mut impl Rng,
+    wide: bool,
+    (m, n, k): (usize, usize, usize),
+    mode: i32,
+    with_bias: bool,
+) -> Result<f64> {
+    // X has 16 rows as in the step; rows >= m are poison the kernel must not read.
+    let mut x = rand_bf16(rng, 16 * k, 1.0);
+    for v in &mut x[m * k..] {
+        *v = bf16::NAN.to_bits();
+    }
+    let w = rand_bf16(rng, n * k, 0.05);
+    let b = rand_bf16(rng, n, 0.5);
+    let out_len = if mode == 2 { m * n / 2 } else { m * n };
+    let init: Vec<f32> = if mode == 1 {
+        (0..out_len).map(|_| rng.random_range(-1.0..1.0)).collect()
+    } else {
+        vec![f32::NAN; out_len]
+    };
+    let (dx, dw, db) = (
+        gpu.alloc(2 * x.len())?,
+        gpu.alloc(2 * w.len())?,
+        gpu.alloc(2 * n)?,
+    );
+    gpu.upload(&dx, 0, &x)?;
+    gpu.upload(&dw, 0, &w)?;
+    gpu.upload(&db, 0, &b)?;
+    let dout = gpu.alloc(4 * out_len.max(1))?;
+    if mode == 2 {
+        // bf16 output: poison with bf16 NaN.
+        gpu.upload(&dout, 0, &vec![bf16::NAN.to_bits(); out_len])?;
+    } else {
+        gpu.upload(&dout, 0, &init)?;
+    }
+    let (px, pw, pout) = (dx.ptr(), dw.ptr(), dout.ptr());
+    let pb = if with_bias { db.ptr() } else { 0 };
+    let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+    let (f, threads) = if wide {
+        (&gpu.kernels.skinny_gemm_w16, 512)
+    } else {
+        (&gpu.kernels.skinny_gemm, 256)
+    };
+    let mut args: Vec<*mut std::ffi::c_void> = vec![
+        std::ptr::from_ref(&px).cast_mut().cast(),
+        std::ptr::from_ref(&pw).cast_mut().cast(),
+        std::ptr::from_ref(&pb).cast_mut().cast(),
+        std::ptr::from_ref(&pout).cast_mut().cast(),
+        std::ptr::from_ref(&mi).cast_mut().cast(),
+        std::ptr::from_ref(&ni).cast_mut().cast(),
+        std::ptr::from_ref(&ki).cast_mut().cast(),
+        std::ptr::from_ref(&mode).cast_mut().cast(),
+    ];
+    // SAFETY: buffers sized above for the kernel's arguments.
+    unsafe { gpu.launch(f, ((n / 8) as u32, 1), threads, false, &mut args) }?;
+    let acc = matmul(&to_f32(&x[..m * k]), m, &w, n, k);
+    let (got, want) = if mode == 2 {
+        let mut o = vec![0u16; out_len];
+        gpu.download(&mut o, &dout, 0)?;
+        gpu.sync()?;
+        let want: Vec<f32> = acc
+            .chunks(2)
+            .map(|p| p[0] / (1.0 + (-p[0]).exp()) * p[1])
+            .collect();
+        (to_f32(&o), want)
+    } else {
+        let mut o = vec![0f32; out_len];
+        gpu.download(&mut o, &dout, 0)?;
+        gpu.sync()?;
+        let want: Vec<f32> = acc
+            .iter()
+            .enumerate()
+            .map(|(i, &a)| match mode {
+                1 => init[i] + a,
+                _ => {
+                    a + if with_bias {
+                        bf16::from_bits(b[i % n]).to_f32()
+                    } else {
+                        0.0
+                    }
+                }
+            })
+            .collect();
+        (o, want)
+    };
+    Ok(rel_err(&got, &want))
+}
+
+/// Greedy argmax with the lowest index among ties, as the kernel.
+fn argmax(row: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+fn check_forward(name: &str, shape: Shape, seed: u64) -> Result<usize> {
+    let max_ctx = 100;
+    let weights = HostWeights::random(&shape, seed);
+    let gpu = Gpu::new(0)?;
+    let dev_weights = weights.upload(&gpu)?;
+    let mut step = Step::new(gpu, shape.clone(), max_ctx, dev_weights)?;
+    let mut reference = Reference::new(shape.clone(), weights, max_ctx);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let vocab = shape.vocab;
+    let mut failures = 0;
+    let mut worst: f64 = 0.0;
+    let mut argmax_diff = 0;
+    let mut rows_total = 0;
+    let mut run = |step: &mut Step,
+                   reference: &mut Reference,
+                   tokens: &[u32],
+                   pos: usize,
+                   graph: bool|
+     -> Result<(Vec<i32>, f64)> {
+        let ids = step.forward(tokens, pos, graph)?.to_vec();
+        let got = step.logits(tokens.len())?;
+        let want = reference.forward(tokens, pos);
+        for (r, id) in ids.iter().enumerate() {
+            let row = &got[r * vocab..(r + 1) * vocab];
+            if *id as usize != argmax(row) {
+                bail!(
+                    "{name}: row {r} at {pos}: kernel argmax {id}, logits argmax {}",
+                    argmax(row)
+                );
+            }
+            rows_total += 1;
+            if argmax(&want[r * vocab..(r + 1) * vocab]) != *id as usize {
+                argmax_diff += 1;
+            }
+        }
+        Ok((ids, rel_err(&got, &want)))
+    };
+    let prompt: Vec<u32> = (0..37).map(|_| rng.random_range(0..vocab as u32)).collect();
+    let mut pos = 0;
+    let mut last = 0;
+    for chunk in [&prompt[..16], &prompt[16..32], &prompt[32..]] {
+        let (ids, err) = run(&mut step, &mut reference, chunk, pos, true)?;
+        worst = worst.max(err);
+        pos += chunk.len();
+        last = *ids.last().expect("rows") as u32;
+    }
+    for _ in 0..6 {
+        let (ids, err) = run(&mut step, &mut reference, &[last], pos, true)?;
+        worst = worst.max(err);
+        pos += 1;
+        last = ids[0] as u32;
+    }
+    let window: Vec<u32> = (0..8).map(|_| rng.random_range(0..vocab as u32)).collect();
+    let (_, err) = run(&mut step, &mut reference, &window, pos, true)?;
+    worst = worst.max(err);
+    // Roll back 5 positions and write a different window there.
+    pos -= 5;
+    let (_, err) = run(&mut step, &mut reference, &window[..3], pos, true)?;
+    worst = worst.max(err);
+    failures += report(
+        &format!(
+            "{name}: forwards vs CPU reference ({rows_total} rows, {argmax_diff} argmax differ)"
+        ),
+        worst,
+    );
+    // Eager launches and graph replay of the same step: bit-identical logits.
+    let eager_ids = step.forward(&window[..3], pos, false)?.to_vec();
+    let eager = step.logits(3)?;
+    let graph_ids = step.forward(&window[..3], pos, true)?.to_vec();
+    let graph = step.logits(3)?;
+    let same = eager_ids == graph_ids
+        && eager
+            .iter()
+            .zip(&graph)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+    println!(
+        "{} {name}: graph replay = eager launches, bit for bit",
+        if same { "PASS" } else { "FAIL" }
+    );
+    failures += usize::from(!same);
+    // Batch invariance: a verify window's rows equal the same tokens run one by one, bit for
+    // bit (every row's sums run in one fixed order whatever the window), so speculation cannot
+    // change greedy output through rounding.
+    let at = pos + 3;
+    step.forward(&window, at, true)?;
+    let win = step.logits(8)?;
+    let mut same_rows = 0;
+    for (i, &t) in window.iter().enumerate() {
+        step.forward(&[t], at + i, true)?;
+        let row = step.logits(1)?;
+        same_rows += usize::from(
+            row.iter()
+                .zip(&win[i * vocab..])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+        );
+    }
+    let ok = same_rows == window.len();
+    println!(
+        "{} {name}: window of 8 = 8 single steps, bit for bit ({same_rows}/8 rows)",
+        if ok { "PASS" } else { "FAIL" }
+    );
+    failures += usize::from(!ok);
+    // Programmatic dependent launch changes scheduling only.
+    step.set_pdl(false);
+    step.forward(&window, at, true)?;
+    let plain = step.logits(8)?;
+    step.set_pdl(true);
+    let ok = plain
+        .iter()
+        .zip(&win)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    println!(
+        "{} {name}: launches without PDL give the same logits",
+        if ok { "PASS" } else { "FAIL" }
+    );
+    failures += usize::from(!ok);
+    // Bad inputs are refused before anything runs.
+    let refused = step.forward(&[vocab as u32], 0, true).is_err()
+        && step.forward(&[0; 17], 0, true).is_err()
+        && step.forward(&[0; 2], max_ctx - 1, true).is_err()
+        && step.forward(&[], 0, true).is_err();
+    println!(
+        "{} {name}: bad inputs refused",
+        if refused { "PASS" } else { "FAIL" }
+    );
+    failures += usize::from(!refused);
+    Ok(failures)
+}
