@@ -17,8 +17,8 @@ use crate::layers::simd::Isa;
 /// How the weight is stored.
 #[derive(Clone, Debug)]
 pub enum Weight {
-    /// GGUF blocks of a type [`qmatmul::supports`], on the CPU.
-    Quantized(Arc<QTensor>),
+    /// GGUF blocks of a type [`qmatmul::supports`], on the CPU (repacked at load).
+    Quantized(Arc<qmatmul::QWeight>),
     /// Dense, contiguous `[out, in]` in f32, f16 or bf16 (on the CPU: [`dense`]). GGUF
     /// tensors of other block types are dequantized to f32 at load.
     Dense(Tensor),
@@ -44,7 +44,9 @@ impl Linear {
         let cpu = Device::Cpu;
         let weight = match weight.dtype() {
             _ if !weight.device().is_cpu() => Weight::Device(QMatMul::from_arc(weight)?),
-            t if qmatmul::supports(t) => Weight::Quantized(weight),
+            t if qmatmul::supports(t) => {
+                Weight::Quantized(Arc::new(qmatmul::QWeight::new(weight)?))
+            }
             // Dense GGUF tensors keep their precision; exotic block types become f32.
             GgmlDType::F16 => Weight::Dense(weight.dequantize_f16(&cpu)?),
             GgmlDType::BF16 => Weight::Dense(weight.dequantize(&cpu)?.to_dtype(DType::BF16)?),

@@ -11,9 +11,9 @@
 //!  scalar   any CPU                                       portable Rust
 //! ```
 //!
-//! The quantized kernels run `vpdpbusd` on 256-bit registers on `avx512` too: 512-bit builds
-//! (two blocks per register) measured slower on the AMD EPYC (Zen 4) dev machine, which
-//! splits 512-bit operations in two.
+//! On `avx512` the 32-element quantized types (`qmatmul/packed.rs`) run 512-bit `vpdpbusd`
+//! with one weight row per 32-bit lane; the k-quants run the EVEX encodings on 256-bit
+//! registers. The `avxvnni` level runs the AVX2 builds of the packed kernels (bit-identical).
 //!
 //! `SPECULA_ISA=scalar|avx2|avxvnni|avx512` forces a path for the whole process (benchmarks,
 //! A/B runs, reproducing a CI machine); asking for one this CPU lacks is an error at model load.

@@ -196,7 +196,16 @@ impl Model {
                 return Err(e);
             }
         }
-        match self.run(batch, &plan, &starts, pool) {
+        // On a rayon worker the kernels' parallel loops fork and join through work stealing
+        // with spinning latches; from any other thread each of the ~10 loops per layer would
+        // block the caller on a futex until the pool finishes (a wake-up and a sleep per loop,
+        // ~12% of a one-row SmolLM2 step's CPU). So the whole forward runs on the pool.
+        let mut run = || self.run(batch, &plan, &starts, pool);
+        let out = match rayon::current_thread_index() {
+            Some(_) => run(),
+            None => rayon::scope(|_| run()),
+        };
+        match out {
             Ok(out) => {
                 for s in &batch.seqs {
                     pool.index_full_blocks(s.seq)?;

@@ -1,17 +1,15 @@
-//! `Q4_K` and `Q6_K` weights against activations quantized per 256 values (ggml's `q8_K`),
-//! with integer sums across the whole 256-weight super-block: one float multiply-add per
-//! super-block and row instead of one per 32 weights (ggml's `ggml_vec_dot_q4_K_q8_K` and
-//! `ggml_vec_dot_q6_K_q8_K`).
+//! `Q6_K` weights against activations quantized per 256 values (ggml's `q8_K`, also the
+//! activations of [`super::kpacked`]'s `Q4_K`), with integer sums across the whole 256-weight
+//! super-block: one float multiply-add per super-block and row instead of one per 32 weights
+//! (ggml's `ggml_vec_dot_q6_K_q8_K`).
 //!
 //! ```text
-//!  Q4_K  w = d sc_j q - dmin m_j  (q in 0..15, 8 sub-blocks j of 32, 6-bit sc_j, m_j)
-//!        y += d d_a Σ_j sc_j Σ_i q a   -   dmin d_a Σ_j m_j (Σ_i a)
 //!  Q6_K  w = d sc_j (q - 32)      (q in 0..63, 16 sub-blocks j of 16, i8 sc_j)
 //!        y += d d_a (Σ_j sc_j Σ_i q a  -  32 Σ_j sc_j (Σ_i a))
 //! ```
 //!
 //! The weights stay unsigned (`vpmaddubsw` takes them as its u8 side, the activations as i8),
-//! so no sign trick is needed, and the offsets come from the activations' sums per 16 values
+//! so no sign trick is needed, and the offset comes from the activations' sums per 16 values
 //! (`bsums`), computed once per row at quantization. Every sum inside a super-block is an exact
 //! integer; the float operations per row (`acc += f32(sumi) * (d d_a)` per super-block, then a
 //! fixed horizontal order) do not depend on the other rows, so a row of an m-row call is
@@ -33,9 +31,9 @@ pub(super) const QK_K: usize = 256;
 /// Activation rows per kernel call on the SIMD paths (the weights are unpacked once for them).
 pub(super) const GROUP: usize = 4;
 
-/// Whether this module handles weights of `dtype`.
+/// Whether this module's kernels handle weights of `dtype`.
 pub(super) fn supports(dtype: GgmlDType) -> bool {
-    matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K)
+    dtype == GgmlDType::Q6K
 }
 
 /// Activation rows quantized to i8 per 256 values: `x ≈ d[b] * q`, and `bsums[16 b + j]` the
@@ -50,9 +48,9 @@ pub(super) struct Acts {
 /// One row of [`Acts`].
 #[derive(Clone, Copy)]
 pub(super) struct ActRow<'a> {
-    q: &'a [i8],
-    d: &'a [f32],
-    bsums: &'a [i16],
+    pub q: &'a [i8],
+    pub d: &'a [f32],
+    pub bsums: &'a [i16],
 }
 
 impl Acts {
@@ -118,46 +116,16 @@ fn f16_at(p: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([p[at], p[at + 1]]).to_f32()
 }
 
-/// ggml's `get_scale_min_k4` for all 8 sub-blocks: (scales, mins).
-#[inline(always)]
-fn scales_mins_k4(q: &[u8]) -> ([u8; 8], [u8; 8]) {
-    let mut sc = [0u8; 8];
-    let mut mn = [0u8; 8];
-    for j in 0..8 {
-        (sc[j], mn[j]) = if j < 4 {
-            (q[j] & 63, q[j + 4] & 63)
-        } else {
-            (
-                (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
-                (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-            )
-        };
-    }
-    (sc, mn)
-}
+/// Stored bytes of one `Q6_K` super-block.
+const BLOCK_BYTES: usize = 210;
 
-/// Stored bytes of one super-block.
-fn block_bytes(dtype: GgmlDType) -> usize {
-    match dtype {
-        GgmlDType::Q4K => 144,
-        _ => 210,
-    }
-}
-
-/// `ys[r] = row · acts[r]` for one weight row (raw GGUF bytes of `dtype`, [`supports`]-ed) on
-/// the path `isa`.
+/// `ys[r] = row · acts[r]` for one weight row (raw `Q6_K` bytes) on the path `isa`.
 ///
 /// # Panics
 /// If a row's length does not match the weight row's.
-pub(super) fn dot_rows(
-    isa: Isa,
-    dtype: GgmlDType,
-    row: &[u8],
-    acts: &[ActRow<'_>],
-    ys: &mut [f32],
-) {
+pub(super) fn dot_rows(isa: Isa, row: &[u8], acts: &[ActRow<'_>], ys: &mut [f32]) {
     debug_assert_eq!(acts.len(), ys.len());
-    let nsb = row.len() / block_bytes(dtype);
+    let nsb = row.len() / BLOCK_BYTES;
     for a in acts {
         assert!(a.d.len() == nsb && a.q.len() == nsb * QK_K && a.bsums.len() == nsb * 16);
     }
@@ -167,30 +135,10 @@ pub(super) fn dot_rows(
             // SAFETY: lengths asserted above; a non-scalar token proves AVX2, FMA and F16C.
             unsafe {
                 match a.len() {
-                    4 => y.copy_from_slice(&x86::dispatch::<4>(
-                        isa,
-                        dtype,
-                        row,
-                        a.try_into().unwrap(),
-                    )),
-                    3 => y.copy_from_slice(&x86::dispatch::<3>(
-                        isa,
-                        dtype,
-                        row,
-                        a.try_into().unwrap(),
-                    )),
-                    2 => y.copy_from_slice(&x86::dispatch::<2>(
-                        isa,
-                        dtype,
-                        row,
-                        a.try_into().unwrap(),
-                    )),
-                    _ => y.copy_from_slice(&x86::dispatch::<1>(
-                        isa,
-                        dtype,
-                        row,
-                        a.try_into().unwrap(),
-                    )),
+                    4 => y.copy_from_slice(&x86::dispatch::<4>(isa, row, a.try_into().unwrap())),
+                    3 => y.copy_from_slice(&x86::dispatch::<3>(isa, row, a.try_into().unwrap())),
+                    2 => y.copy_from_slice(&x86::dispatch::<2>(isa, row, a.try_into().unwrap())),
+                    _ => y.copy_from_slice(&x86::dispatch::<1>(isa, row, a.try_into().unwrap())),
                 }
             }
         }
@@ -198,43 +146,12 @@ pub(super) fn dot_rows(
     }
     let _ = isa;
     for (a, y) in acts.iter().zip(ys) {
-        *y = match dtype {
-            GgmlDType::Q4K => q4k_scalar(row, *a),
-            _ => q6k_scalar(row, *a),
-        };
+        *y = q6k_scalar(row, *a);
     }
 }
 
-/// Portable `Q4_K`: the same integer sums as the SIMD builds and the same float operations up
+/// Portable `Q6_K`: the same integer sums as the SIMD builds and the same float operations up
 /// to fusing (so the last bits may differ from them).
-pub(super) fn q4k_scalar(row: &[u8], a: ActRow<'_>) -> f32 {
-    let (mut acc, mut accm) = (0f32, 0f32);
-    for (sb, p) in row.chunks_exact(144).enumerate() {
-        let (d, dmin) = (f16_at(p, 0), f16_at(p, 2));
-        let (sc, mn) = scales_mins_k4(&p[4..16]);
-        let q8 = &a.q[sb * QK_K..(sb + 1) * QK_K];
-        let mut sumi = 0i32;
-        for (c, bits) in p[16..144].chunks_exact(32).enumerate() {
-            let (lo, hi) = (&q8[64 * c..64 * c + 32], &q8[64 * c + 32..64 * c + 64]);
-            let dl: i32 = (bits.iter().zip(lo))
-                .map(|(&w, &x)| (w & 0xF) as i32 * x as i32)
-                .sum();
-            let dh: i32 = (bits.iter().zip(hi))
-                .map(|(&w, &x)| (w >> 4) as i32 * x as i32)
-                .sum();
-            sumi += sc[2 * c] as i32 * dl + sc[2 * c + 1] as i32 * dh;
-        }
-        let bs = &a.bsums[sb * 16..(sb + 1) * 16];
-        let summ: i32 = (0..8)
-            .map(|j| mn[j] as i32 * (bs[2 * j] as i32 + bs[2 * j + 1] as i32))
-            .sum();
-        acc += sumi as f32 * (d * a.d[sb]);
-        accm += summ as f32 * (-dmin * a.d[sb]);
-    }
-    acc + accm
-}
-
-/// Portable `Q6_K` (see [`q4k_scalar`]).
 pub(super) fn q6k_scalar(row: &[u8], a: ActRow<'_>) -> f32 {
     let mut acc = 0f32;
     for (sb, p) in row.chunks_exact(210).enumerate() {
@@ -269,10 +186,8 @@ pub(super) fn q6k_scalar(row: &[u8], a: ActRow<'_>) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{scales_mins_k4, ActRow, QK_K};
-    use crate::layers::qmatmul::dot::x86::hsum;
+    use super::{ActRow, QK_K};
     use crate::layers::simd::{Isa, Level};
-    use candle_core::quantized::GgmlDType;
     use std::arch::x86_64::*;
 
     /// Bytes of the weight stream requested ahead of the super-block being read.
@@ -291,6 +206,15 @@ mod x86 {
         }
     }
 
+    /// Horizontal sum: `v[0..4] + v[4..8]`, then `[0]+[2], [1]+[3]`, then the two.
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        hsum4(_mm_add_ps(
+            _mm256_castps256_ps128(v),
+            _mm256_extractf128_ps(v, 1),
+        ))
+    }
+
     /// Horizontal sum of 4 lanes: `[0]+[2], [1]+[3]`, then the two.
     #[inline(always)]
     unsafe fn hsum4(v: __m128) -> f32 {
@@ -298,64 +222,7 @@ mod x86 {
         _mm_cvtss_f32(_mm_add_ss(p, _mm_shuffle_ps(p, p, 1)))
     }
 
-    /// The Q4_K body for `$r` rows; `$madd(acc, p16, scale)` is `acc + vpmaddwd(p16, scale)`.
-    macro_rules! q4k_body {
-        ($row:expr, $a:expr, $r:expr, |$acc:ident, $p16:ident, $sc:ident| $madd:expr) => {{
-            let (row, a): (&[u8], &[ActRow<'_>; $r]) = ($row, $a);
-            let m4 = _mm256_set1_epi8(0x0F);
-            let mut acc = [_mm256_setzero_ps(); $r];
-            let mut accm = [_mm_setzero_ps(); $r];
-            for sb in 0..a[0].d.len() {
-                let p = row.as_ptr().add(sb * 144);
-                prefetch(p, 144);
-                let (d, dmin) = (f16(p), f16(p.add(2)));
-                let (sc, mn) = scales_mins_k4(std::slice::from_raw_parts(p.add(4), 12));
-                let mut sumi = [_mm256_setzero_si256(); $r];
-                for c in 0..4 {
-                    let bits = _mm256_loadu_si256(p.add(16 + 32 * c) as *const __m256i);
-                    let lo = _mm256_and_si256(bits, m4);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-                    let sl = _mm256_set1_epi16(sc[2 * c] as i16);
-                    let sh = _mm256_set1_epi16(sc[2 * c + 1] as i16);
-                    for r in 0..$r {
-                        let q8 = a.get_unchecked(r).q.as_ptr().add(sb * QK_K + 64 * c);
-                        let pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(q8 as *const __m256i));
-                        let ph = _mm256_maddubs_epi16(
-                            hi,
-                            _mm256_loadu_si256(q8.add(32) as *const __m256i),
-                        );
-                        let s = sumi[r];
-                        let s = {
-                            let ($acc, $p16, $sc) = (s, pl, sl);
-                            $madd
-                        };
-                        sumi[r] = {
-                            let ($acc, $p16, $sc) = (s, ph, sh);
-                            $madd
-                        };
-                    }
-                }
-                let mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(mn.as_ptr() as *const __m128i));
-                for r in 0..$r {
-                    let row = a.get_unchecked(r);
-                    let da = *row.d.get_unchecked(sb);
-                    acc[r] = _mm256_fmadd_ps(
-                        _mm256_cvtepi32_ps(sumi[r]),
-                        _mm256_set1_ps(d * da),
-                        acc[r],
-                    );
-                    let bs = _mm256_loadu_si256(row.bsums.as_ptr().add(sb * 16) as *const __m256i);
-                    let per32 =
-                        _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-                    let prod = _mm_madd_epi16(mins, per32);
-                    accm[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(prod), _mm_set1_ps(-dmin * da), accm[r]);
-                }
-            }
-            std::array::from_fn(|r| hsum(acc[r]) + hsum4(accm[r]))
-        }};
-    }
-
-    /// The Q6_K body for `$r` rows (see [`q4k_body`]).
+    /// The Q6_K body for `$r` rows; `$madd(acc, p16, scale)` is `acc + vpmaddwd(p16, scale)`.
     macro_rules! q6k_body {
         ($row:expr, $a:expr, $r:expr, |$acc:ident, $p16:ident, $sc:ident| $madd:expr) => {{
             let (row, a): (&[u8], &[ActRow<'_>; $r]) = ($row, $a);
@@ -423,51 +290,38 @@ mod x86 {
     }
 
     macro_rules! builds {
-        ($name4:ident, $name6:ident, $features:literal, |$acc:ident, $p16:ident, $sc:ident| $madd:expr) => {
+        ($name:ident, $features:literal, |$acc:ident, $p16:ident, $sc:ident| $madd:expr) => {
             #[target_feature(enable = $features)]
-            unsafe fn $name4<const R: usize>(row: &[u8], a: &[ActRow<'_>; R]) -> [f32; R] {
-                q4k_body!(row, a, R, |$acc, $p16, $sc| $madd)
-            }
-
-            #[target_feature(enable = $features)]
-            unsafe fn $name6<const R: usize>(row: &[u8], a: &[ActRow<'_>; R]) -> [f32; R] {
+            unsafe fn $name<const R: usize>(row: &[u8], a: &[ActRow<'_>; R]) -> [f32; R] {
                 q6k_body!(row, a, R, |$acc, $p16, $sc| $madd)
             }
         };
     }
 
-    builds!(q4k_avx2, q6k_avx2, "avx2,fma,f16c", |acc, p16, sc| {
+    builds!(q6k_avx2, "avx2,fma,f16c", |acc, p16, sc| {
         _mm256_add_epi32(acc, _mm256_madd_epi16(p16, sc))
     });
+    builds!(q6k_avxvnni, "avx2,fma,f16c,avxvnni", |acc, p16, sc| {
+        _mm256_dpwssd_avx_epi32(acc, p16, sc)
+    });
     builds!(
-        q4k_avxvnni,
-        q6k_avxvnni,
-        "avx2,fma,f16c,avxvnni",
-        |acc, p16, sc| _mm256_dpwssd_avx_epi32(acc, p16, sc)
-    );
-    builds!(
-        q4k_avx512,
         q6k_avx512,
         "avx2,fma,f16c,avx512f,avx512vnni,avx512vl",
         |acc, p16, sc| _mm256_dpwssd_epi32(acc, p16, sc)
     );
 
     /// # Safety
-    /// `isa` is not scalar; `row` holds `a[r].d.len()` super-blocks of `dtype` (Q4_K or Q6_K)
-    /// and every activation row matches it.
+    /// `isa` is not scalar; `row` holds `a[r].d.len()` `Q6_K` super-blocks and every
+    /// activation row matches it.
     #[inline(always)]
     pub(super) unsafe fn dispatch<const R: usize>(
         isa: Isa,
-        dtype: GgmlDType,
         row: &[u8],
         a: &[ActRow<'_>; R],
     ) -> [f32; R] {
-        match (isa.level(), dtype) {
-            (Level::Avx512, GgmlDType::Q4K) => q4k_avx512(row, a),
-            (Level::Avx512, _) => q6k_avx512(row, a),
-            (Level::AvxVnni, GgmlDType::Q4K) => q4k_avxvnni(row, a),
-            (Level::AvxVnni, _) => q6k_avxvnni(row, a),
-            (_, GgmlDType::Q4K) => q4k_avx2(row, a),
+        match isa.level() {
+            Level::Avx512 => q6k_avx512(row, a),
+            Level::AvxVnni => q6k_avxvnni(row, a),
             _ => q6k_avx2(row, a),
         }
     }

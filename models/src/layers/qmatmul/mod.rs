@@ -9,32 +9,30 @@
 //! one fixed order per output, whichever tile or group of rows the row lands in. Two families:
 //!
 //! - 32-element block types (`Q4_0`, `Q4_1`, `Q5_0`, `Q8_0`): activations in ggml's `Q8_1` (one
-//!   scale per 32 values); each weight row is unpacked into a common 32-element form
-//!   ([`unpack`]) and dotted with each activation row ([`dot`]). A decode step (one row) skips
-//!   the buffer: [`fused`] unpacks each block in registers and dots it at once, with the same
-//!   arithmetic (tested bit for bit).
+//!   scale per 32 values); the weights are repacked at load ([`QWeight::new`]) so that one SIMD
+//!   lane holds one weight row ([`packed`]): 16 outputs per register, no horizontal sums, and
+//!   the same kernel for one decode row and for groups of 4 activation rows.
 //! - k-quants (`Q4_K`, `Q6_K`): activations in ggml's `q8_K` (one scale per 256 values), integer
-//!   sums across each 256-weight super-block and one float multiply-add per super-block
-//!   ([`kquant`]); each super-block is unpacked in registers once for a group of rows.
+//!   sums across each 256-weight super-block and one float multiply-add per super-block.
+//!   `Q4_K` is repacked at load like the 32-element types ([`kpacked`]); `Q6_K` runs on the
+//!   GGUF layout ([`kquant`]), each super-block unpacked in registers once for 4 rows.
 //!
 //! ```text
-//!  W  [n, k] raw GGUF blocks               X  [m, k] f32 -> m rows of 8-bit values + scales
-//!  for each weight row j (rayon, ROWS_PER_TASK per task):
-//!    32-element types: unpack W[j] -> k/32 Blocks (once per call, in L1)
-//!                      for each activation row r: y[r, j] = dot(Blocks, X[r])
-//!    k-quants:         for each group of rows g: y[g, j] = kquant(W[j], X[g])
+//!  W  [n, k] packed / raw GGUF blocks      X  [m, k] f32 -> m rows of 8-bit values + scales
+//!  rayon over tasks of ROWS_PER_TASK weight rows:
+//!    packed types: per group of 16 weight rows, per 4 activation rows: 16 x 4 outputs
+//!    Q6_K:         per group of 4 activation rows, per weight row j: y[g, j]
 //! ```
 //!
-//! Reference: ggml's `vec_dot_q*_q8_*` (`ggml-cpu/arch/x86/quants.c`); the per-lane integer
-//! sums and the sign trick of the AVX2 build come from there.
+//! Reference: ggml's `vec_dot_q*_q8_*` (`ggml-cpu/arch/x86/quants.c`) and its repacked
+//! `gemv`/`gemm` kernels (`ggml-cpu/repack.cpp`).
 
-mod dot;
-#[cfg(target_arch = "x86_64")]
-mod fused;
+mod kpacked;
 mod kquant;
-mod unpack;
+mod packed;
 
-use std::cell::RefCell;
+use std::fmt;
+use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
@@ -42,29 +40,105 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::layers::simd::{Isa, Level};
-use dot::ActRow;
-use unpack::{Block, QK};
+use packed::{Packed, LANES, QK};
 
-/// Weight rows per rayon task: enough work to amortise scheduling.
-const ROWS_PER_TASK: usize = 16;
+/// Weight rows per rayon task: enough work to amortise scheduling (a multiple of [`LANES`]).
+const ROWS_PER_TASK: usize = 2 * LANES;
 
-/// Whether [`matmul`] handles weights of this type.
+/// Whether [`QWeight::new`] takes weights of this type.
 pub fn supports(dtype: GgmlDType) -> bool {
-    unpack::supports(dtype) || kquant::supports(dtype)
+    packed::supports(dtype) || kpacked::supports(dtype) || kquant::supports(dtype)
+}
+
+/// One activation row quantized to 8 bits per 32-element block.
+///
+/// # Invariants
+/// `q.len() == QK * d.len() == QK * s.len()`; `q` holds `round(x / d)` (within ±127) and
+/// `s[b] = d[b] * Σ q[32 b..][..32]`.
+#[derive(Clone, Copy)]
+struct ActRow<'a> {
+    q: &'a [i8],
+    d: &'a [f32],
+    s: &'a [f32],
+}
+
+/// A quantized `[n, k]` weight ready for [`matmul`]: the 32-element types repacked (see
+/// [`packed`]), the k-quants as GGUF stores them.
+pub struct QWeight {
+    dtype: GgmlDType,
+    inner: Inner,
+}
+
+enum Inner {
+    Packed(Packed),
+    KPacked(kpacked::KPacked),
+    Raw(Arc<QTensor>),
+}
+
+impl fmt::Debug for QWeight {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (n, k) = self.shape();
+        write!(f, "QWeight({:?} [{n}, {k}])", self.dtype)
+    }
+}
+
+impl QWeight {
+    /// Takes a 2-D CPU weight of a type [`supports`] accepts (repacking the 32-element types).
+    ///
+    /// # Errors
+    /// If `w` is not 2-D, not on the CPU, of an unsupported type, or its width is not a whole
+    /// number of blocks.
+    pub fn new(w: Arc<QTensor>) -> Result<QWeight> {
+        let dtype = w.dtype();
+        let bad = |why: &str| Error::InvalidRequest {
+            op: "qmatmul",
+            reason: format!("weight {:?} {dtype:?}: {why}", w.shape()),
+        };
+        let (n, k) = w.shape().dims2().map_err(|_| bad("not 2-D"))?;
+        if !supports(dtype) {
+            return Err(bad("unsupported block type"));
+        }
+        if !w.device().is_cpu() {
+            return Err(bad("not on the CPU"));
+        }
+        if k % block_elems(dtype) != 0 {
+            return Err(bad("width not a whole number of blocks"));
+        }
+        let inner = match dtype {
+            t if packed::supports(t) => Inner::Packed(Packed::new(dtype, &w.data()?, n, k)),
+            t if kpacked::supports(t) => Inner::KPacked(kpacked::KPacked::new(&w.data()?, n, k)),
+            _ => Inner::Raw(w),
+        };
+        Ok(QWeight { dtype, inner })
+    }
+
+    /// `[n, k]`.
+    pub fn shape(&self) -> (usize, usize) {
+        match &self.inner {
+            Inner::Packed(p) => (p.rows(), p.cols()),
+            Inner::KPacked(p) => (p.rows(), p.cols()),
+            Inner::Raw(w) => w.shape().dims2().expect("invariant: checked 2-D in new"),
+        }
+    }
+
+    /// The GGUF block type.
+    pub fn dtype(&self) -> GgmlDType {
+        self.dtype
+    }
 }
 
 /// Elements per stored block of `dtype` (32, or 256 for the k-quants).
 fn block_elems(dtype: GgmlDType) -> usize {
-    if kquant::supports(dtype) {
-        kquant::QK_K
-    } else {
+    if packed::supports(dtype) {
         QK
+    } else {
+        kquant::QK_K
     }
 }
 
 /// Activation rows quantized to 8 bits per 32 values (see [`ActRow`]).
 struct Acts {
-    q: Vec<u8>,
+    q: Vec<i8>,
     d: Vec<f32>,
     s: Vec<f32>,
     k: usize,
@@ -81,14 +155,57 @@ impl Acts {
         Self::quantize_body(xs, k)
     }
 
-    /// [`Acts::quantize`] compiled for AVX2 (vectorized rounding).
+    /// [`Acts::quantize`] with AVX2 intrinsics: the same IEEE operations per value (max of
+    /// magnitudes, `amax / 127`, `1 / d`, `x * inv`, round half to even), so the same bits.
     ///
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn quantize_avx2(xs: &[f32], k: usize) -> Acts {
-        Self::quantize_body(xs, k)
+        use std::arch::x86_64::*;
+        let blocks = xs.len() / QK;
+        let mut acts = Acts {
+            q: vec![0; xs.len()],
+            d: Vec::with_capacity(blocks),
+            s: Vec::with_capacity(blocks),
+            k,
+        };
+        let sign = _mm256_set1_ps(-0.0);
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (x, q) in xs.chunks_exact(QK).zip(acts.q.chunks_exact_mut(QK)) {
+            let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(x.as_ptr().add(8 * i)));
+            let a = v.map(|v| _mm256_andnot_ps(sign, v));
+            let m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+            let d = amax / 127.0;
+            let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+            let i = v.map(|v| {
+                let r = _mm256_round_ps(
+                    _mm256_mul_ps(v, inv),
+                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+                );
+                _mm256_cvtps_epi32(r)
+            });
+            let sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+            let sum = _mm_add_epi32(
+                _mm256_castsi256_si128(sum),
+                _mm256_extracti128_si256(sum, 1),
+            );
+            let sum = _mm_add_epi32(sum, _mm_unpackhi_epi64(sum, sum));
+            let sum = _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32(sum, 1)));
+            let p16 = _mm256_packs_epi16(
+                _mm256_packs_epi32(i[0], i[1]),
+                _mm256_packs_epi32(i[2], i[3]),
+            );
+            let p8 = _mm256_permutevar8x32_epi32(p16, order);
+            _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, p8);
+            acts.d.push(d);
+            acts.s.push(d * sum as f32);
+        }
+        acts
     }
 
     #[inline(always)]
@@ -108,7 +225,7 @@ impl Acts {
             for (q, v) in q.iter_mut().zip(x) {
                 let v = (v * inv).round_ties_even() as i32;
                 sum += v;
-                *q = (v + 128) as u8;
+                *q = v as i8;
             }
             acts.d.push(d);
             acts.s.push(d * sum as f32);
@@ -125,118 +242,62 @@ impl Acts {
     }
 }
 
-thread_local! {
-    /// One unpacked weight row per worker thread, reused across calls.
-    static UNPACKED: RefCell<Vec<Block>> = const { RefCell::new(Vec::new()) };
-}
-
-/// One matmul call's operands, shared by every task.
-#[derive(Clone, Copy)]
-struct Operands<'a> {
-    isa: Isa,
-    dtype: GgmlDType,
-    /// Packed weight rows, `row_bytes` each.
-    weights: &'a [u8],
-    row_bytes: usize,
-    acts: &'a Acts,
-}
-
-/// The products of weight rows `j0..j0 + out.len() / m` with all activation rows:
-/// `out[(j - j0) * m + r] = y[r, j]`.
-#[inline(always)]
-fn rows_task(
-    ops: Operands,
-    unpack_row: impl Fn(GgmlDType, &[u8], &mut [Block]),
-    j0: usize,
-    out: &mut [f32],
-) {
-    let Operands {
-        isa,
-        dtype,
-        weights,
-        row_bytes,
-        acts,
-    } = ops;
-    let rows = acts.rows();
-    let has_min = unpack::has_min(dtype);
-    UNPACKED.with(|buf| {
-        let mut buf = buf.borrow_mut();
-        buf.resize(acts.k / QK, Block::default());
-        for (jj, ys) in out.chunks_exact_mut(rows.len()).enumerate() {
-            let j = j0 + jj;
-            unpack_row(
-                dtype,
-                &weights[j * row_bytes..(j + 1) * row_bytes],
-                &mut buf,
-            );
-            dot::dot_rows(isa, &buf, has_min, &rows, ys);
-        }
-    })
-}
-
-/// [`rows_task`] with the AVX2 unpacking.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_task_avx2(ops: Operands, j0: usize, out: &mut [f32]) {
-    // SAFETY: the caller guarantees the features.
-    let unpack_row =
-        |dtype, row: &[u8], out: &mut [Block]| unsafe { unpack::x86::unpack_row(dtype, row, out) };
-    rows_task(ops, unpack_row, j0, out)
-}
-
-/// `xs` `[rows, k]` f32 times `w^T` (`w`: `[n, k]` of a type [`supports`] accepts) →
-/// `[rows, n]` f32, on the SIMD path `isa`.
+/// `xs` `[rows, k]` f32 times `w^T` (`w`: `[n, k]`) → `[rows, n]` f32, on the SIMD path `isa`.
 ///
 /// # Errors
-/// If `w` is not 2-D, not on the CPU, of an unsupported type, or `k` does not match.
-pub fn matmul(isa: Isa, w: &QTensor, xs: &Tensor) -> Result<Tensor> {
-    let (n, k) = w.shape().dims2()?;
+/// If `xs` is not 2-D or `k` does not match.
+pub fn matmul(isa: Isa, w: &QWeight, xs: &Tensor) -> Result<Tensor> {
+    let (n, k) = w.shape();
     let (m, xk) = xs.dims2()?;
-    let dtype = w.dtype();
-    if xk != k || !supports(dtype) || k % block_elems(dtype) != 0 || !w.device().is_cpu() {
+    if xk != k {
         return Err(Error::InvalidRequest {
             op: "qmatmul",
             reason: format!(
-                "weight {:?} {dtype:?} (cpu: {}) with input {:?}",
-                w.shape(),
-                w.device().is_cpu(),
+                "weight [{n}, {k}] {:?} with input {:?}",
+                w.dtype,
                 xs.shape()
             ),
         });
     }
-    let data = w.data()?;
-    let row_bytes = k / block_elems(dtype) * dtype.type_size();
     let xs: Vec<f32> = xs.flatten_all()?.to_vec1()?;
     // out_t[j * m + r] = y[r, j]: each task owns a contiguous range of weight rows.
     let mut out_t = vec![0f32; n * m];
-    if kquant::supports(dtype) {
-        matmul_k(isa, dtype, &data, row_bytes, &xs, k, &mut out_t);
-    } else {
-        matmul_blocks(isa, dtype, &data, row_bytes, &xs, k, &mut out_t);
+    if m > 0 {
+        match &w.inner {
+            Inner::Raw(raw) => {
+                let data = raw.data()?;
+                let row_bytes = k / block_elems(w.dtype) * w.dtype.type_size();
+                matmul_k(isa, &data, row_bytes, &xs, k, &mut out_t);
+            }
+            Inner::Packed(p) => matmul_packed(isa, p, &xs, &mut out_t),
+            Inner::KPacked(p) => {
+                let acts = kquant::Acts::quantize(isa, &xs, k);
+                let rows = acts.rows();
+                let m = rows.len();
+                out_t
+                    .par_chunks_mut(ROWS_PER_TASK * m)
+                    .enumerate()
+                    .for_each(|(t, out)| p.rows_task(isa, &rows, t * ROWS_PER_TASK / LANES, out));
+            }
+        }
     }
     let ys = match m {
         1 => out_t,
-        _ => (0..m)
-            .flat_map(|r| (0..n).map(move |j| (r, j)))
-            .map(|(r, j)| out_t[j * m + r])
-            .collect(),
+        _ => {
+            let mut ys = vec![0f32; m * n];
+            for (j, col) in out_t.chunks_exact(m).enumerate() {
+                for (r, &v) in col.iter().enumerate() {
+                    ys[r * n + j] = v;
+                }
+            }
+            ys
+        }
     };
     Ok(Tensor::from_vec(ys, (m, n), &Device::Cpu)?)
 }
 
-/// The k-quants ([`kquant`]): `out_t[j * m + r] = y[r, j]`.
-fn matmul_k(
-    isa: Isa,
-    dtype: GgmlDType,
-    weights: &[u8],
-    row_bytes: usize,
-    xs: &[f32],
-    k: usize,
-    out_t: &mut [f32],
-) {
+/// `Q6_K` ([`kquant`]): `out_t[j * m + r] = y[r, j]`.
+fn matmul_k(isa: Isa, weights: &[u8], row_bytes: usize, xs: &[f32], k: usize, out_t: &mut [f32]) {
     let acts = kquant::Acts::quantize(isa, xs, k);
     let rows = acts.rows();
     let m = rows.len();
@@ -252,57 +313,22 @@ fn matmul_k(
                     let j = j0 + jj;
                     let w = &weights[j * row_bytes..(j + 1) * row_bytes];
                     let ys = &mut ys[g * kquant::GROUP..][..a.len()];
-                    kquant::dot_rows(isa, dtype, w, a, ys);
+                    kquant::dot_rows(isa, w, a, ys);
                 }
             }
         });
 }
 
-/// The 32-element block types ([`unpack`], [`dot`], [`fused`]): `out_t[j * m + r] = y[r, j]`.
-fn matmul_blocks(
-    isa: Isa,
-    dtype: GgmlDType,
-    weights: &[u8],
-    row_bytes: usize,
-    xs: &[f32],
-    k: usize,
-    out_t: &mut [f32],
-) {
+/// The 32-element block types ([`packed`]): `out_t[j * m + r] = y[r, j]`.
+fn matmul_packed(isa: Isa, w: &Packed, xs: &[f32], out_t: &mut [f32]) {
+    let k = w.cols();
     let acts = Acts::quantize(isa, xs, k);
-    let m = xs.len() / k;
-    let ops = Operands {
-        isa,
-        dtype,
-        weights,
-        row_bytes,
-        acts: &acts,
-    };
+    let rows = acts.rows();
+    let m = rows.len();
     out_t
         .par_chunks_mut(ROWS_PER_TASK * m)
         .enumerate()
-        .for_each(|(t, out)| {
-            let j0 = t * ROWS_PER_TASK;
-            #[cfg(target_arch = "x86_64")]
-            if ops.isa.level() != Level::Scalar && m == 1 {
-                // A decode step: unpack in registers (bit-identical to the buffered path).
-                let rows = ops.acts.rows();
-                for (jj, y) in out.iter_mut().enumerate() {
-                    let j = j0 + jj;
-                    let w = &ops.weights[j * row_bytes..(j + 1) * row_bytes];
-                    // SAFETY: a non-scalar `Isa` token proves its features; the type and the
-                    // row length were checked by `matmul`.
-                    *y = unsafe { fused::dot(ops.isa, dtype, w, rows[0]) };
-                }
-                return;
-            }
-            #[cfg(target_arch = "x86_64")]
-            if ops.isa.level() != Level::Scalar {
-                // SAFETY: every non-scalar `Isa` token implies AVX2, FMA and F16C.
-                unsafe { rows_task_avx2(ops, j0, out) };
-                return;
-            }
-            rows_task(ops, unpack::unpack_row, j0, out)
-        });
+        .for_each(|(t, out)| w.rows_task(isa, &rows, t * ROWS_PER_TASK / LANES, out));
 }
 
 #[cfg(test)]

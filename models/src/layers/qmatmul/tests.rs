@@ -1,5 +1,5 @@
-//! Kernel tests: unpacking against candle's dequantization, products against a dense matmul,
-//! exact chunk-size invariance, and agreement of the SIMD and scalar builds.
+//! Kernel tests: the packed layout against candle's dequantization, products against a dense
+//! matmul, exact row-count invariance, and bit-for-bit agreement of every build.
 
 use super::*;
 use candle_core::DType;
@@ -14,8 +14,8 @@ const TYPES: [GgmlDType; 6] = [
     GgmlDType::Q6K,
 ];
 
-/// The types of the 32-element [`Block`] path (the k-quants have their own kernels).
-const BLOCK_TYPES: [GgmlDType; 4] = [
+/// The types of the [`packed`] path (the k-quants have their own kernels).
+const PACKED_TYPES: [GgmlDType; 4] = [
     GgmlDType::Q4_0,
     GgmlDType::Q4_1,
     GgmlDType::Q5_0,
@@ -38,61 +38,57 @@ fn max_abs(t: &Tensor) -> f32 {
         .unwrap()
 }
 
-/// A small `[n, k]` weight (k spans two k-quant super-blocks) quantized to `dtype`.
+/// A small `[n, k]` weight (k spans two k-quant super-blocks; n = 40 leaves a partial group
+/// of 16 rows) quantized to `dtype`.
 fn weight(rng: &mut rand::rngs::StdRng, dtype: GgmlDType) -> (QTensor, Tensor) {
-    let w = randn(rng, (24, 512));
+    let w = randn(rng, (40, 512));
     let q = QTensor::quantize(&w, dtype).unwrap();
     let dense = q.dequantize(&Device::Cpu).unwrap();
     (q, dense)
 }
 
-/// Every row of `q` unpacked by this build's [`unpack::unpack_row`].
-fn unpacked_rows(q: &QTensor) -> Vec<Vec<Block>> {
-    let (n, k) = q.shape().dims2().unwrap();
-    let data = q.data().unwrap();
-    let row_bytes = data.len() / n;
-    (0..n)
-        .map(|j| {
-            let mut blocks = vec![Block::default(); k / QK];
-            unpack::unpack_row(
-                q.dtype(),
-                &data[j * row_bytes..(j + 1) * row_bytes],
-                &mut blocks,
-            );
-            blocks
-        })
+fn bits(isa: Isa, w: &QWeight, xs: &Tensor) -> Vec<Vec<u32>> {
+    let y: Vec<Vec<f32>> = matmul(isa, w, xs).unwrap().to_vec2().unwrap();
+    y.into_iter()
+        .map(|r| r.into_iter().map(f32::to_bits).collect())
         .collect()
 }
 
-/// `scale * q + min` of the unpacked blocks is candle's dequantization of the same bytes.
+/// The packed layout holds exactly candle's dequantization of the same bytes.
 #[test]
-fn unpack_matches_candle_dequantize() {
+fn packing_keeps_every_weight() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
-    for dtype in BLOCK_TYPES {
+    for dtype in PACKED_TYPES {
         let (q, dense) = weight(&mut rng, dtype);
-        let k = dense.dim(1).unwrap();
+        let (n, k) = dense.dims2().unwrap();
         let dense: Vec<f32> = dense.flatten_all().unwrap().to_vec1().unwrap();
-        for (j, blocks) in unpacked_rows(&q).iter().enumerate() {
-            for (b, blk) in blocks.iter().enumerate() {
-                for i in 0..QK {
-                    let ours = blk.scale[i / 4] * blk.q[i] as f32 + blk.min;
-                    let theirs = dense[j * k + b * QK + i];
-                    assert!(
-                        (ours - theirs).abs() <= 1e-6 * theirs.abs().max(1.0),
-                        "{dtype:?} row {j} elem {}: {ours} vs {theirs}",
-                        b * QK + i
-                    );
-                }
-                let sums: Vec<i32> = (0..8)
-                    .map(|l| {
-                        -128 * blk.q[4 * l..4 * l + 4]
-                            .iter()
-                            .map(|&x| x as i32)
-                            .sum::<i32>()
-                    })
-                    .collect();
-                assert_eq!(blk.neg_corr.to_vec(), sums, "{dtype:?} row {j} block {b}");
+        let p = Packed::new(dtype, &q.data().unwrap(), n, k);
+        for j in 0..n {
+            let ours = p.dequantize_row(j);
+            for (i, (&o, &t)) in ours.iter().zip(&dense[j * k..(j + 1) * k]).enumerate() {
+                assert!(
+                    (o - t).abs() <= 1e-6 * t.abs().max(1.0),
+                    "{dtype:?} row {j} elem {i}: {o} vs {t}"
+                );
             }
+        }
+    }
+}
+
+/// The packed `Q4_K` layout holds exactly candle's dequantization of the same bytes.
+#[test]
+fn k_packing_keeps_every_weight() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(2);
+    let (q, dense) = weight(&mut rng, GgmlDType::Q4K);
+    let (n, k) = dense.dims2().unwrap();
+    let dense: Vec<f32> = dense.flatten_all().unwrap().to_vec1().unwrap();
+    let p = kpacked::KPacked::new(&q.data().unwrap(), n, k);
+    for j in 0..n {
+        for (i, (&o, &t)) in p.dequantize_row(j).iter().zip(&dense[j * k..]).enumerate() {
+            assert!(
+                (o - t).abs() <= 1e-5 * t.abs().max(1.0),
+                "row {j} elem {i}: {o} vs {t}"
+            );
         }
     }
 }
@@ -103,17 +99,20 @@ fn matches_dense_matmul() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(3);
     for dtype in TYPES {
         let (q, dense) = weight(&mut rng, dtype);
-        for m in [1, 3, 8, 17] {
-            let xs = randn(&mut rng, (m, 512));
-            let ours = matmul(Isa::detect(), &q, &xs).unwrap();
-            let theirs = xs.matmul(&dense.t().unwrap()).unwrap();
-            assert_eq!(ours.dims(), theirs.dims());
-            let diff = max_abs(&(ours - &theirs).unwrap());
-            let scale = max_abs(&theirs);
-            assert!(
-                diff < 1e-2 * scale,
-                "{dtype:?} m={m}: {diff} (max |y| {scale})"
-            );
+        let q = QWeight::new(Arc::new(q)).unwrap();
+        for isa in Isa::available() {
+            for m in [1, 3, 8, 17] {
+                let xs = randn(&mut rng, (m, 512));
+                let ours = matmul(isa, &q, &xs).unwrap();
+                let theirs = xs.matmul(&dense.t().unwrap()).unwrap();
+                assert_eq!(ours.dims(), theirs.dims());
+                let diff = max_abs(&(ours - &theirs).unwrap());
+                let scale = max_abs(&theirs);
+                assert!(
+                    diff < 1e-2 * scale,
+                    "{dtype:?} {isa} m={m}: {diff} (max |y| {scale})"
+                );
+            }
         }
     }
 }
@@ -125,28 +124,21 @@ fn rows_do_not_depend_on_row_count() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
     for dtype in TYPES {
         let (q, _) = weight(&mut rng, dtype);
+        let q = QWeight::new(Arc::new(q)).unwrap();
         let xs = randn(&mut rng, (512, 512));
         for isa in Isa::available() {
-            let alone = |r: usize| -> Vec<u32> {
-                let y = matmul(isa, &q, &xs.narrow(0, r, 1).unwrap()).unwrap();
-                let y: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
-                y.into_iter().map(f32::to_bits).collect()
-            };
+            let alone = |r: usize| bits(isa, &q, &xs.narrow(0, r, 1).unwrap()).remove(0);
             let first: Vec<Vec<u32>> = (0..100).map(alone).collect();
-            for m in [2, 3, 7, 16, 17, 33, 100, 512] {
-                let ys: Vec<Vec<f32>> = matmul(isa, &q, &xs.narrow(0, 0, m).unwrap())
-                    .unwrap()
-                    .to_vec2()
-                    .unwrap();
+            for m in [2, 3, 4, 5, 7, 16, 17, 33, 100, 512] {
+                let ys = bits(isa, &q, &xs.narrow(0, 0, m).unwrap());
                 for (r, y) in ys.iter().enumerate() {
                     let want = match r {
                         r if r < 100 => first[r].clone(),
                         511 => alone(511),
                         _ => continue,
                     };
-                    let y: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
                     assert_eq!(
-                        y, want,
+                        *y, want,
                         "{dtype:?} {isa}: row {r} of {m} rows differs from it alone"
                     );
                 }
@@ -155,36 +147,60 @@ fn rows_do_not_depend_on_row_count() {
     }
 }
 
-/// Every SIMD build of this CPU computes the same integer lane sums as the scalar one, so the
-/// results agree up to fused-multiply-add rounding.
+/// Every build this CPU runs, the portable one included, gives the same bits for the packed
+/// types (per-lane integer sums and the same fused float operations), at every row count.
 #[test]
-fn simd_matches_scalar() {
+fn packed_builds_agree_exactly() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    for dtype in BLOCK_TYPES {
+    for dtype in PACKED_TYPES.into_iter().chain([GgmlDType::Q4K]) {
         let (q, _) = weight(&mut rng, dtype);
-        let xs: Vec<f32> = randn(&mut rng, (1, 512))
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let acts = Acts::quantize(Isa::SCALAR, &xs, 512);
+        let q = QWeight::new(Arc::new(q)).unwrap();
+        let xs = randn(&mut rng, (9, 512));
+        let want = bits(Isa::SCALAR, &q, &xs);
         for isa in Isa::available() {
-            assert_eq!(
-                Acts::quantize(isa, &xs, 512).q,
-                acts.q,
-                "{isa} quantization"
-            );
-            for (j, blocks) in unpacked_rows(&q).iter().enumerate() {
-                let mut simd = [0f32];
-                dot::dot_rows(isa, blocks, unpack::has_min(dtype), &acts.rows(), &mut simd);
-                let simd = simd[0];
-                let scalar = dot::dot_scalar(blocks, acts.rows()[0]);
-                assert!(
-                    (simd - scalar).abs() <= 1e-5 * scalar.abs().max(1.0),
-                    "{dtype:?} ({isa}) row {j}: {simd} vs {scalar}"
-                );
-            }
+            assert_eq!(bits(isa, &q, &xs), want, "{dtype:?} {isa} vs scalar");
         }
+    }
+}
+
+/// `Q8_0` at its extremes (weights -128 and 127, activations at ±127): the sign trick stays
+/// exact on every path (no 16-bit saturation), equal to the exact product in f64.
+#[test]
+fn q8_0_extremes_are_exact() {
+    let (n, k) = (16, 64);
+    let mut raw = Vec::new();
+    for j in 0..n {
+        for b in 0..k / 32 {
+            raw.extend_from_slice(&half::f16::from_f32(1.0).to_le_bytes());
+            raw.extend((0..32).map(|i| match (i + j + b) % 3 {
+                0 => 0x80u8, // -128
+                1 => 0x7F,
+                _ => (i * 7 + j) as u8,
+            }));
+        }
+    }
+    let storage = candle_core::quantized::QStorage::from_data(
+        std::borrow::Cow::Owned(raw),
+        &Device::Cpu,
+        GgmlDType::Q8_0,
+    )
+    .unwrap();
+    let q = QTensor::new(storage, (n, k)).unwrap();
+    let w = q.dequantize(&Device::Cpu).unwrap();
+    let q = QWeight::new(Arc::new(q)).unwrap();
+    // Each activation row quantizes exactly to ±127 (its block maximum is 127 d).
+    let xs: Vec<f32> = (0..2 * k)
+        .map(|i| if (i / 3) % 2 == 0 { 127.0 } else { -127.0 })
+        .collect();
+    let xs = Tensor::from_vec(xs, (2, k), &Device::Cpu).unwrap();
+    let exact = xs
+        .matmul(&w.t().unwrap())
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    for isa in Isa::available() {
+        let got = matmul(isa, &q, &xs).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(got, exact, "{isa}");
     }
 }
 
@@ -192,105 +208,24 @@ fn simd_matches_scalar() {
 fn rejects_bad_inputs() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(9);
     let (q, _) = weight(&mut rng, GgmlDType::Q4_1);
+    let q = QWeight::new(Arc::new(q)).unwrap();
     let bad = Tensor::zeros((2, 64), DType::F32, &Device::Cpu).unwrap();
-    assert!(matmul(Isa::detect(), &q, &bad).is_err());
+    let err = matmul(Isa::detect(), &q, &bad).unwrap_err().to_string();
+    assert!(err.contains("with input"), "{err}");
     let f32_weight = QTensor::quantize(&randn(&mut rng, (4, 64)), GgmlDType::F32).unwrap();
-    let xs = Tensor::zeros((1, 64), DType::F32, &Device::Cpu).unwrap();
-    assert!(matmul(Isa::detect(), &f32_weight, &xs).is_err());
+    let err = QWeight::new(Arc::new(f32_weight)).unwrap_err().to_string();
+    assert!(err.contains("unsupported block type"), "{err}");
 }
 
-/// The AVX2 unpacking writes exactly the blocks of the portable one.
-#[cfg(target_arch = "x86_64")]
-#[test]
-fn simd_unpack_matches_scalar() {
-    if Isa::detect() == Isa::SCALAR {
-        eprintln!("no AVX2 on this CPU: only the portable unpacking runs here");
-        return;
-    }
-    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-    for dtype in BLOCK_TYPES {
-        let (q, _) = weight(&mut rng, dtype);
-        let data = q.data().unwrap();
-        let row_bytes = data.len() / 24;
-        let mut scalar = vec![Block::default(); 512 / QK];
-        let mut simd = scalar.clone();
-        for j in 0..24 {
-            let row = &data[j * row_bytes..(j + 1) * row_bytes];
-            unpack::unpack_row(dtype, row, &mut scalar);
-            // SAFETY: the detected path is not scalar, so the CPU has AVX2, FMA and F16C.
-            unsafe { unpack::x86::unpack_row(dtype, row, &mut simd) };
-            for (b, (s, v)) in scalar.iter().zip(&simd).enumerate() {
-                assert_eq!(s.q, v.q, "{dtype:?} row {j} block {b}");
-                assert_eq!(s.neg_corr, v.neg_corr, "{dtype:?} row {j} block {b}");
-                assert_eq!(s.scale.map(f32::to_bits), v.scale.map(f32::to_bits));
-                assert_eq!(
-                    s.min.to_bits(),
-                    v.min.to_bits(),
-                    "{dtype:?} row {j} block {b}"
-                );
-            }
-        }
-    }
-}
-
-/// Every SIMD build this CPU runs gives bit-identical products (same integer lanes, same float
-/// order), buffered or fused, so the AVX2 fallback is exercised even on a VNNI machine.
-#[cfg(target_arch = "x86_64")]
-#[test]
-fn simd_builds_agree_exactly() {
-    let simd: Vec<Isa> = Isa::available()
-        .into_iter()
-        .filter(|&i| i != Isa::SCALAR)
-        .collect();
-    let Some(&first) = simd.first() else {
-        eprintln!("no AVX2 on this CPU: only the portable build runs here");
-        return;
-    };
-    let mut rng = rand::rngs::StdRng::seed_from_u64(13);
-    for dtype in BLOCK_TYPES {
-        let (q, _) = weight(&mut rng, dtype);
-        let xs: Vec<f32> = randn(&mut rng, (6, 512))
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let acts = Acts::quantize(first, &xs, 512);
-        let data = q.data().unwrap();
-        let row = &data[..data.len() / 24];
-        let mut blocks = vec![Block::default(); 512 / QK];
-        unpack::unpack_row(dtype, row, &mut blocks);
-        let has_min = unpack::has_min(dtype);
-        let mut want = [0f32; 6];
-        dot::dot_rows(first, &blocks, has_min, &acts.rows(), &mut want);
-        for &isa in &simd {
-            let mut got = [0f32; 6];
-            dot::dot_rows(isa, &blocks, has_min, &acts.rows(), &mut got);
-            assert_eq!(
-                got.map(f32::to_bits),
-                want.map(f32::to_bits),
-                "{dtype:?} {isa}"
-            );
-            // The decode kernels (unpacking in registers) give the same bits.
-            for (r, a) in acts.rows().into_iter().enumerate() {
-                // SAFETY: `isa` is an available SIMD path.
-                let y = unsafe { fused::dot(isa, dtype, row, a) };
-                assert_eq!(
-                    y.to_bits(),
-                    want[r].to_bits(),
-                    "{dtype:?} {isa} fused row {r}"
-                );
-            }
-        }
-    }
-}
-
-/// The k-quant kernels: every SIMD build gives the same bits (exact integer sums, one float
+/// The `Q6_K` kernels: every SIMD build gives the same bits (exact integer sums, one float
 /// order), in a group of rows or alone, and the scalar build agrees up to FMA rounding.
 #[test]
 fn k_quant_builds_agree() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(15);
-    for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
+    {
+        let dtype = GgmlDType::Q6K;
         let (q, _) = weight(&mut rng, dtype);
+        let q = QWeight::new(Arc::new(q)).unwrap();
         let xs = randn(&mut rng, (kquant::GROUP + 1, 512));
         let bits = |isa: Isa| -> Vec<u32> {
             let y = matmul(isa, &q, &xs).unwrap();
@@ -304,7 +239,7 @@ fn k_quant_builds_agree() {
             .collect();
         let Some(&first) = simd.first() else {
             eprintln!("no AVX2 on this CPU: only the portable build runs here");
-            continue;
+            return;
         };
         let want = bits(first);
         for &isa in &simd {

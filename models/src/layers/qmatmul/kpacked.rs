@@ -1,0 +1,403 @@
+//! `Q4_K` repacked at load with one weight row per SIMD lane (16 rows per group), like
+//! [`super::packed`] for the 32-element types: the integer sums of a super-block stay per
+//! lane, the sub-block scales and mins are applied per lane with integer multiplies, and one
+//! float multiply-add per 16 outputs and super-block remains (ggml's `q4_K` 8x8 repack, in
+//! the same spirit). Activations are ggml's `q8_K` ([`super::kquant::Acts`]).
+//!
+//! ```text
+//!  group g = weight rows 16g..16g+16; per super-block s, BLOCK bytes apart:
+//!    d[16] f16 | dmin[16] f16 | sc[8][16] u8 | m[8][16] u8 |
+//!    qs: 4 chunks c x 8 dwords t of [16 lanes][4 bytes]: bytes 32c+4t.. of the row's qs
+//!        (low nibbles = elements 64c+4t.., sub-block 2c; high = 64c+32+4t.., sub-block 2c+1)
+//! ```
+//!
+//! Per output `(r, j)`, on every path, in this order:
+//!
+//! ```text
+//!  for super-block s:  sumi = Σ_sub sc[sub] Σ_i q a          exact integers
+//!                      summ = Σ_sub m[sub] (Σ_i a)
+//!                      acc  = fma(f32(sumi), d * d_a, acc)
+//!                      accm = fma(f32(summ), dmin * d_a, accm)
+//!  y = acc - accm
+//! ```
+//!
+//! All per lane, so the AVX-512, AVX2 and portable builds agree bit for bit and a row's bits
+//! do not depend on the other rows of the call.
+
+use candle_core::quantized::GgmlDType;
+use half::f16;
+use rayon::prelude::*;
+
+use super::kquant::{ActRow, QK_K};
+use super::packed::LANES;
+use crate::layers::simd::Isa;
+#[cfg(target_arch = "x86_64")]
+use crate::layers::simd::Level;
+
+/// Activation rows per pass over a group's weights.
+const ROWS: usize = 4;
+
+/// Stored bytes of a GGUF `Q4_K` super-block.
+const SRC: usize = 144;
+
+const AT_SC: usize = 4 * LANES;
+const AT_M: usize = AT_SC + 8 * LANES;
+const AT_Q: usize = AT_M + 8 * LANES;
+/// Packed bytes of one group's super-block.
+const BLOCK: usize = AT_Q + 128 * LANES;
+
+/// Whether [`KPacked::new`] takes this type.
+pub(super) fn supports(dtype: GgmlDType) -> bool {
+    dtype == GgmlDType::Q4K
+}
+
+/// A `[n, k]` `Q4_K` weight in the packed layout (see the module docs); rows past `n` in the
+/// last group are zero.
+pub(super) struct KPacked {
+    n: usize,
+    k: usize,
+    data: Vec<u8>,
+}
+
+/// ggml's `get_scale_min_k4` for all 8 sub-blocks: (scales, mins).
+fn scales_mins(q: &[u8]) -> ([u8; 8], [u8; 8]) {
+    let mut sc = [0u8; 8];
+    let mut mn = [0u8; 8];
+    for j in 0..8 {
+        (sc[j], mn[j]) = if j < 4 {
+            (q[j] & 63, q[j + 4] & 63)
+        } else {
+            (
+                (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+                (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+            )
+        };
+    }
+    (sc, mn)
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+impl KPacked {
+    /// Repacks the raw GGUF bytes `raw` of a `[n, k]` `Q4_K` weight (`k` a multiple of 256).
+    pub(super) fn new(raw: &[u8], n: usize, k: usize) -> KPacked {
+        let nsb = k / QK_K;
+        let mut data = vec![0u8; n.div_ceil(LANES) * nsb * BLOCK];
+        data.par_chunks_mut(nsb * BLOCK)
+            .enumerate()
+            .for_each(|(g, group)| {
+                for j in (g * LANES..(g + 1) * LANES).take_while(|&j| j < n) {
+                    let lane = j % LANES;
+                    for (s, dst) in group.chunks_exact_mut(BLOCK).enumerate() {
+                        let src = &raw[(j * nsb + s) * SRC..][..SRC];
+                        dst[2 * lane..][..2].copy_from_slice(&src[0..2]);
+                        dst[2 * LANES + 2 * lane..][..2].copy_from_slice(&src[2..4]);
+                        let (sc, mn) = scales_mins(&src[4..16]);
+                        for sub in 0..8 {
+                            dst[AT_SC + sub * LANES + lane] = sc[sub];
+                            dst[AT_M + sub * LANES + lane] = mn[sub];
+                        }
+                        for (t, &x) in src[16..].iter().enumerate() {
+                            // byte t = 4 * dword + i: dword t / 4 of [c][dword] order
+                            dst[AT_Q + (t / 4) * 4 * LANES + lane * 4 + t % 4] = x;
+                        }
+                    }
+                }
+            });
+        KPacked { n, k, data }
+    }
+
+    /// Output rows (the weight's `n`).
+    pub(super) fn rows(&self) -> usize {
+        self.n
+    }
+
+    /// Input width (the weight's `k`).
+    pub(super) fn cols(&self) -> usize {
+        self.k
+    }
+
+    fn group(&self, g: usize) -> &[u8] {
+        let bytes = self.k / QK_K * BLOCK;
+        &self.data[g * bytes..(g + 1) * bytes]
+    }
+
+    /// As [`super::packed::Packed::rows_task`]: `out[(j - 16 g0) * m + r] = y[r, j]`.
+    pub(super) fn rows_task(&self, isa: Isa, acts: &[ActRow<'_>], g0: usize, out: &mut [f32]) {
+        let m = acts.len();
+        let rows_here = out.len() / m;
+        for (gi, out) in out.chunks_mut(LANES * m).enumerate() {
+            let group = self.group(g0 + gi);
+            let lanes = (rows_here - gi * LANES).min(LANES);
+            for (c, a) in acts.chunks(ROWS).enumerate() {
+                let ys = group_dot(isa, group, a);
+                for (r, y) in ys.iter().enumerate().take(a.len()) {
+                    for (j, &v) in y.iter().enumerate().take(lanes) {
+                        out[j * m + c * ROWS + r] = v;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Weight row `j` as f32, read back from the packed layout.
+    #[cfg(test)]
+    pub(super) fn dequantize_row(&self, j: usize) -> Vec<f32> {
+        let lane = j % LANES;
+        let mut out = Vec::with_capacity(self.k);
+        for blk in self.group(j / LANES).chunks_exact(BLOCK) {
+            let (d, dmin) = (f16_at(blk, 2 * lane), f16_at(blk, 2 * LANES + 2 * lane));
+            for i in 0..QK_K {
+                let sub = i / 32;
+                let sc = blk[AT_SC + sub * LANES + lane] as f32;
+                let m = blk[AT_M + sub * LANES + lane] as f32;
+                out.push(d * sc * weight(blk, lane, i) as f32 - dmin * m);
+            }
+        }
+        out
+    }
+}
+
+/// Element `i` (of 256) of lane `lane` in a packed super-block.
+#[inline(always)]
+fn weight(blk: &[u8], lane: usize, i: usize) -> i32 {
+    let (c, within) = (i / 64, i % 64);
+    let t = 32 * c + within % 32;
+    let byte = blk[AT_Q + (t / 4) * 4 * LANES + lane * 4 + t % 4];
+    (if within < 32 { byte & 0x0F } else { byte >> 4 }) as i32
+}
+
+fn group_dot(isa: Isa, group: &[u8], a: &[ActRow<'_>]) -> [[f32; LANES]; ROWS] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: an `Isa` token proves its level's features; `group` holds the super-blocks
+        // of the rows' width (checked by `matmul`).
+        macro_rules! go {
+            ($kernel:ident) => {
+                unsafe {
+                    match a {
+                        [a0] => pad(x86::$kernel(group, &[*a0])),
+                        [a0, a1] => pad(x86::$kernel(group, &[*a0, *a1])),
+                        [a0, a1, a2] => pad(x86::$kernel(group, &[*a0, *a1, *a2])),
+                        _ => pad(x86::$kernel(group, &[a[0], a[1], a[2], a[3]])),
+                    }
+                }
+            };
+        }
+        match isa.level() {
+            Level::Avx512 => return go!(avx512),
+            Level::Avx2 | Level::AvxVnni => return go!(avx2),
+            Level::Scalar => {}
+        }
+    }
+    let _ = isa;
+    let mut ys = [[0f32; LANES]; ROWS];
+    for (y, r) in ys.iter_mut().zip(a) {
+        *y = scalar(group, *r);
+    }
+    ys
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn pad<const R: usize>(ys: [[f32; LANES]; R]) -> [[f32; LANES]; ROWS] {
+    let mut out = [[0f32; LANES]; ROWS];
+    out[..R].copy_from_slice(&ys);
+    out
+}
+
+/// The sum of activations of sub-block `sub` (32 values) of super-block `s`.
+#[inline(always)]
+fn bsum32(a: &ActRow<'_>, s: usize, sub: usize) -> i32 {
+    a.bsums[16 * s + 2 * sub] as i32 + a.bsums[16 * s + 2 * sub + 1] as i32
+}
+
+/// The portable build (the same operations per lane as the SIMD builds).
+fn scalar(group: &[u8], a: ActRow<'_>) -> [f32; LANES] {
+    let mut acc = [0f32; LANES];
+    let mut accm = [0f32; LANES];
+    for (s, blk) in group.chunks_exact(BLOCK).enumerate() {
+        let qa = &a.q[s * QK_K..(s + 1) * QK_K];
+        for j in 0..LANES {
+            let mut sumi = 0i32;
+            let mut summ = 0i32;
+            for sub in 0..8 {
+                let dot: i32 = (32 * sub..32 * sub + 32)
+                    .map(|i| weight(blk, j, i) * qa[i] as i32)
+                    .sum();
+                sumi += blk[AT_SC + sub * LANES + j] as i32 * dot;
+                summ += blk[AT_M + sub * LANES + j] as i32 * bsum32(&a, s, sub);
+            }
+            let (d, dmin) = (f16_at(blk, 2 * j), f16_at(blk, 2 * LANES + 2 * j));
+            acc[j] = (sumi as f32).mul_add(d * a.d[s], acc[j]);
+            accm[j] = (summ as f32).mul_add(dmin * a.d[s], accm[j]);
+        }
+    }
+    std::array::from_fn(|j| acc[j] - accm[j])
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{bsum32, ActRow, AT_M, AT_Q, AT_SC, BLOCK, LANES, QK_K};
+    use std::arch::x86_64::*;
+
+    /// Bytes of the weight stream requested ahead.
+    const PREFETCH: usize = 2048;
+
+    #[inline(always)]
+    unsafe fn act4(a: &ActRow<'_>, at: usize) -> i32 {
+        (a.q.as_ptr().add(at) as *const i32).read_unaligned()
+    }
+
+    /// # Safety
+    /// AVX-512F/BW/VL/VNNI, AVX2, FMA and F16C; `group` holds `a[r].d.len()` super-blocks.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn avx512<const R: usize>(
+        group: &[u8],
+        a: &[ActRow<'_>; R],
+    ) -> [[f32; LANES]; R] {
+        let nsb = a[0].d.len();
+        let m4 = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut accm = [_mm512_setzero_ps(); R];
+        for s in 0..nsb {
+            let p = group.as_ptr().add(s * BLOCK);
+            let mut sumi = [_mm512_setzero_si512(); R];
+            for c in 0..4 {
+                let mut il = [_mm512_setzero_si512(); R];
+                let mut ih = [_mm512_setzero_si512(); R];
+                for t in 0..8 {
+                    let at = AT_Q + (8 * c + t) * 4 * LANES;
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(at + PREFETCH) as *const i8);
+                    let v = _mm512_loadu_si512(p.add(at) as *const _);
+                    let lo = _mm512_and_si512(v, m4);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                    for r in 0..R {
+                        let x = s * QK_K + 64 * c + 4 * t;
+                        il[r] = _mm512_dpbusd_epi32(il[r], lo, _mm512_set1_epi32(act4(&a[r], x)));
+                        ih[r] =
+                            _mm512_dpbusd_epi32(ih[r], hi, _mm512_set1_epi32(act4(&a[r], x + 32)));
+                    }
+                }
+                let scl = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                    p.add(AT_SC + 2 * c * LANES) as *const __m128i
+                ));
+                let sch = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                    p.add(AT_SC + (2 * c + 1) * LANES) as *const __m128i
+                ));
+                for r in 0..R {
+                    let v = _mm512_add_epi32(
+                        _mm512_mullo_epi32(il[r], scl),
+                        _mm512_mullo_epi32(ih[r], sch),
+                    );
+                    sumi[r] = _mm512_add_epi32(sumi[r], v);
+                }
+            }
+            let mut summ = [_mm512_setzero_si512(); R];
+            for sub in 0..8 {
+                let mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                    p.add(AT_M + sub * LANES) as *const __m128i
+                ));
+                for r in 0..R {
+                    let b = _mm512_set1_epi32(bsum32(&a[r], s, sub));
+                    summ[r] = _mm512_add_epi32(summ[r], _mm512_mullo_epi32(mn, b));
+                }
+            }
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i));
+            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(2 * LANES) as *const __m256i));
+            for r in 0..R {
+                let da = _mm512_set1_ps(*a[r].d.get_unchecked(s));
+                let (sd, sm) = (_mm512_mul_ps(d, da), _mm512_mul_ps(dmin, da));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), sd, acc[r]);
+                accm[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ[r]), sm, accm[r]);
+            }
+        }
+        let mut out = [[0f32; LANES]; R];
+        for r in 0..R {
+            _mm512_storeu_ps(out[r].as_mut_ptr(), _mm512_sub_ps(acc[r], accm[r]));
+        }
+        out
+    }
+
+    /// 8 lanes per register (two passes per group), `vpmaddubsw` + `vpmaddwd`.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; `group` holds `a[r].d.len()` super-blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn avx2<const R: usize>(
+        group: &[u8],
+        a: &[ActRow<'_>; R],
+    ) -> [[f32; LANES]; R] {
+        let nsb = a[0].d.len();
+        let m4 = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let dot = |u: __m256i, x: __m256i| _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones);
+        let mut out = [[0f32; LANES]; R];
+        for h in 0..2 {
+            let mut acc = [_mm256_setzero_ps(); R];
+            let mut accm = [_mm256_setzero_ps(); R];
+            for s in 0..nsb {
+                let p = group.as_ptr().add(s * BLOCK);
+                let mut sumi = [_mm256_setzero_si256(); R];
+                for c in 0..4 {
+                    let mut il = [_mm256_setzero_si256(); R];
+                    let mut ih = [_mm256_setzero_si256(); R];
+                    for t in 0..8 {
+                        let at = AT_Q + (8 * c + t) * 4 * LANES + 32 * h;
+                        let v = _mm256_loadu_si256(p.add(at) as *const __m256i);
+                        let lo = _mm256_and_si256(v, m4);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                        for r in 0..R {
+                            let x = s * QK_K + 64 * c + 4 * t;
+                            let xl = _mm256_set1_epi32(act4(&a[r], x));
+                            let xh = _mm256_set1_epi32(act4(&a[r], x + 32));
+                            il[r] = _mm256_add_epi32(il[r], dot(lo, xl));
+                            ih[r] = _mm256_add_epi32(ih[r], dot(hi, xh));
+                        }
+                    }
+                    let scl = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                        p.add(AT_SC + 2 * c * LANES + 8 * h) as *const __m128i,
+                    ));
+                    let sch = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                        p.add(AT_SC + (2 * c + 1) * LANES + 8 * h) as *const __m128i,
+                    ));
+                    for r in 0..R {
+                        let v = _mm256_add_epi32(
+                            _mm256_mullo_epi32(il[r], scl),
+                            _mm256_mullo_epi32(ih[r], sch),
+                        );
+                        sumi[r] = _mm256_add_epi32(sumi[r], v);
+                    }
+                }
+                let mut summ = [_mm256_setzero_si256(); R];
+                for sub in 0..8 {
+                    let mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                        p.add(AT_M + sub * LANES + 8 * h) as *const __m128i,
+                    ));
+                    for r in 0..R {
+                        let b = _mm256_set1_epi32(bsum32(&a[r], s, sub));
+                        summ[r] = _mm256_add_epi32(summ[r], _mm256_mullo_epi32(mn, b));
+                    }
+                }
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(p.add(16 * h) as *const __m128i));
+                let dmin =
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * LANES + 16 * h) as *const __m128i));
+                for r in 0..R {
+                    let da = _mm256_set1_ps(*a[r].d.get_unchecked(s));
+                    let (sd, sm) = (_mm256_mul_ps(d, da), _mm256_mul_ps(dmin, da));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), sd, acc[r]);
+                    accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(summ[r]), sm, accm[r]);
+                }
+            }
+            for r in 0..R {
+                _mm256_storeu_ps(
+                    out[r].as_mut_ptr().add(8 * h),
+                    _mm256_sub_ps(acc[r], accm[r]),
+                );
+            }
+        }
+        out
+    }
+}

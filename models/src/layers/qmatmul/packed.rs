@@ -1,0 +1,483 @@
+//! The 32-element block types (`Q4_0`, `Q4_1`, `Q5_0`, `Q8_0`) repacked at load so that one
+//! SIMD lane holds one weight row: 16 rows side by side per group, each output a lane of its
+//! own, so no horizontal sums and one float multiply-add per 16 outputs and block (ggml's
+//! `q4_0` 8x8 repack, in the same spirit).
+//!
+//! ```text
+//!  group g = weight rows 16g..16g+16; per block b (32 weights), block_bytes apart:
+//!    d[16] f16 | m[16] f16 (Q4_1 only) | data
+//!    Q4_0/Q4_1 data: 4 chunks c of [16 lanes][4 bytes]: dword c of the row's 16 stored bytes
+//!                    (low nibbles = elements 4c..4c+4, high nibbles = elements 16+4c..)
+//!    Q5_0/Q8_0 data: 8 chunks c of [16 lanes][4 bytes]: elements 4c..4c+4 as bytes
+//!                    (Q5_0 unsigned 0..31, Q8_0 signed)
+//! ```
+//!
+//! Per output `(r, j)`, on every path, in this order:
+//!
+//! ```text
+//!  for block b:  sumi = Σ_i q_w[j][32b + i] q_a[r][32b + i]          exact integer
+//!                acc  = fma(f32(sumi), d_w[j][b] * d_a[r][b], acc)
+//!                accm = fma(min_w[j][b], s_a[r][b], accm)            (types with a min)
+//!  y = acc + accm
+//! ```
+//!
+//! Every operation is per lane, so a row's bits depend neither on the other activation rows
+//! of the call nor on the path: the AVX-512 (16 lanes, `vpdpbusd` zmm), AVX2 (8 lanes,
+//! `vpmaddubsw` + `vpmaddwd`) and portable builds agree bit for bit. The 4- and 5-bit types
+//! stay unsigned (`Q4_0`'s -8 and `Q5_0`'s -16 become the min `-8 d` / `-16 d`, exact), so
+//! they are the unsigned side of the byte products; `Q8_0` takes the sign trick.
+
+use candle_core::quantized::GgmlDType;
+use half::f16;
+use rayon::prelude::*;
+
+use super::ActRow;
+use crate::layers::simd::Isa;
+#[cfg(target_arch = "x86_64")]
+use crate::layers::simd::Level;
+
+/// Weight rows per group: one 512-bit register of 32-bit lanes.
+pub(super) const LANES: usize = 16;
+
+/// Elements per block.
+pub(super) const QK: usize = 32;
+
+/// Activation rows per pass over a group's weights.
+const ROWS: usize = 4;
+
+/// Whether [`Packed::new`] takes this type.
+pub(super) fn supports(dtype: GgmlDType) -> bool {
+    matches!(
+        dtype,
+        GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q8_0
+    )
+}
+
+/// How a type's blocks are stored once packed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Format {
+    /// Data as nibbles (4 chunks) rather than bytes (8 chunks).
+    nibbles: bool,
+    /// Byte values are signed (no min).
+    signed: bool,
+    /// A stored f16 min per row and block (after the scales).
+    stored_min: bool,
+    /// Else the min is `min_factor * d` (0 for none).
+    min_factor: f32,
+}
+
+impl Format {
+    fn of(dtype: GgmlDType) -> Format {
+        let f = |nibbles, signed, stored_min, min_factor| Format {
+            nibbles,
+            signed,
+            stored_min,
+            min_factor,
+        };
+        match dtype {
+            GgmlDType::Q4_0 => f(true, false, false, -8.0),
+            GgmlDType::Q4_1 => f(true, false, true, 0.0),
+            GgmlDType::Q5_0 => f(false, false, false, -16.0),
+            _ => f(false, true, false, 0.0),
+        }
+    }
+
+    fn has_min(self) -> bool {
+        self.stored_min || self.min_factor != 0.0
+    }
+
+    /// Offset of the data in a packed block.
+    fn data_at(self) -> usize {
+        2 * LANES * (1 + self.stored_min as usize)
+    }
+
+    fn chunks(self) -> usize {
+        if self.nibbles {
+            4
+        } else {
+            8
+        }
+    }
+
+    fn block_bytes(self) -> usize {
+        self.data_at() + self.chunks() * 4 * LANES
+    }
+}
+
+/// A `[n, k]` weight of a [`supports`]-ed type in the packed layout (see the module docs);
+/// rows past `n` in the last group are zero.
+pub(super) struct Packed {
+    format: Format,
+    n: usize,
+    k: usize,
+    data: Vec<u8>,
+}
+
+/// Writes lane `lane` of the packed block `dst` from the GGUF block `src`.
+fn pack_block(dtype: GgmlDType, format: Format, src: &[u8], lane: usize, dst: &mut [u8]) {
+    dst[2 * lane..2 * lane + 2].copy_from_slice(&src[0..2]);
+    if format.stored_min {
+        dst[2 * LANES + 2 * lane..][..2].copy_from_slice(&src[2..4]);
+    }
+    let data = &mut dst[format.data_at()..];
+    // Element i goes to chunk i / 4, byte i % 4 of the lane (for the nibble types, "element"
+    // t < 16 is the stored byte t, holding elements t and 16 + t).
+    let mut put = |i: usize, v: u8| data[(i / 4) * 4 * LANES + lane * 4 + i % 4] = v;
+    match dtype {
+        GgmlDType::Q4_0 | GgmlDType::Q4_1 => {
+            for (t, &x) in src[src.len() - 16..].iter().enumerate() {
+                put(t, x);
+            }
+        }
+        GgmlDType::Q5_0 => {
+            let qh = u32::from_le_bytes([src[2], src[3], src[4], src[5]]);
+            for t in 0..16 {
+                let x = src[6 + t];
+                put(t, (x & 0x0F) | (((qh >> t) & 1) << 4) as u8);
+                put(16 + t, (x >> 4) | (((qh >> (16 + t)) & 1) << 4) as u8);
+            }
+        }
+        _ => {
+            for (i, &x) in src[2..34].iter().enumerate() {
+                put(i, x);
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn f16_at(bytes: &[u8], at: usize) -> f16 {
+    f16::from_le_bytes([bytes[at], bytes[at + 1]])
+}
+
+impl Packed {
+    /// Repacks the raw GGUF bytes `raw` of a `[n, k]` weight of type `dtype` (`k` a multiple
+    /// of 32, `raw` exactly `n * k / 32` blocks: checked by the caller).
+    pub(super) fn new(dtype: GgmlDType, raw: &[u8], n: usize, k: usize) -> Packed {
+        let format = Format::of(dtype);
+        let nb = k / QK;
+        let src_bytes = dtype.type_size();
+        let groups = n.div_ceil(LANES);
+        let bb = format.block_bytes();
+        let mut data = vec![0u8; groups * nb * bb];
+        data.par_chunks_mut(nb * bb)
+            .enumerate()
+            .for_each(|(g, group)| {
+                for j in (g * LANES..(g + 1) * LANES).take_while(|&j| j < n) {
+                    for (b, dst) in group.chunks_exact_mut(bb).enumerate() {
+                        let src = &raw[(j * nb + b) * src_bytes..][..src_bytes];
+                        pack_block(dtype, format, src, j % LANES, dst);
+                    }
+                }
+            });
+        Packed { format, n, k, data }
+    }
+
+    /// Output rows (the weight's `n`).
+    pub(super) fn rows(&self) -> usize {
+        self.n
+    }
+
+    /// Input width (the weight's `k`).
+    pub(super) fn cols(&self) -> usize {
+        self.k
+    }
+
+    /// Weight row `j` as f32 (`d * q + min`), read back from the packed layout.
+    #[cfg(test)]
+    pub(super) fn dequantize_row(&self, j: usize) -> Vec<f32> {
+        let f = self.format;
+        let (g, lane) = (j / LANES, j % LANES);
+        let mut out = Vec::with_capacity(self.k);
+        for blk in self.group(g).chunks_exact(f.block_bytes()) {
+            let d = f16_at(blk, 2 * lane).to_f32();
+            let min = match f.stored_min {
+                true => f16_at(blk, 2 * LANES + 2 * lane).to_f32(),
+                false => d * f.min_factor,
+            };
+            out.extend((0..QK).map(|i| d * weight(f, &blk[f.data_at()..], lane, i) as f32 + min));
+        }
+        out
+    }
+
+    /// The packed bytes of group `g`.
+    fn group(&self, g: usize) -> &[u8] {
+        let bytes = self.k / QK * self.format.block_bytes();
+        &self.data[g * bytes..(g + 1) * bytes]
+    }
+
+    /// `out[(j - 16 g0) * m + r] = y[r, j]` for the weight rows of groups `g0..` that `out`
+    /// covers (`out.len()` a multiple of `m`; rows past `n` are not written), against the
+    /// activation rows `acts`.
+    pub(super) fn rows_task(&self, isa: Isa, acts: &[ActRow<'_>], g0: usize, out: &mut [f32]) {
+        let m = acts.len();
+        let rows_here = out.len() / m;
+        for (gi, out) in out.chunks_mut(LANES * m).enumerate() {
+            let group = self.group(g0 + gi);
+            let lanes = (rows_here - gi * LANES).min(LANES);
+            for (c, a) in acts.chunks(ROWS).enumerate() {
+                let ys = group_dot(isa, self.format, group, a);
+                for (r, y) in ys.iter().enumerate().take(a.len()) {
+                    for (j, &v) in y.iter().enumerate().take(lanes) {
+                        out[j * m + c * ROWS + r] = v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The 16 outputs of one group against up to [`ROWS`] activation rows (rows past `a.len()`
+/// are zero).
+fn group_dot(isa: Isa, f: Format, group: &[u8], a: &[ActRow<'_>]) -> [[f32; LANES]; ROWS] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: an `Isa` token proves its level's features; `group` holds the blocks of the
+        // rows' width (the caller checked `k`).
+        macro_rules! go {
+            ($kernel:ident) => {
+                unsafe {
+                    match a {
+                        [a0] => pad(x86::$kernel(f, group, &[*a0])),
+                        [a0, a1] => pad(x86::$kernel(f, group, &[*a0, *a1])),
+                        [a0, a1, a2] => pad(x86::$kernel(f, group, &[*a0, *a1, *a2])),
+                        _ => pad(x86::$kernel(f, group, &[a[0], a[1], a[2], a[3]])),
+                    }
+                }
+            };
+        }
+        match isa.level() {
+            Level::Avx512 => return go!(avx512),
+            Level::Avx2 | Level::AvxVnni => return go!(avx2),
+            Level::Scalar => {}
+        }
+    }
+    let _ = isa;
+    let mut ys = [[0f32; LANES]; ROWS];
+    for (y, r) in ys.iter_mut().zip(a) {
+        *y = scalar(f, group, *r);
+    }
+    ys
+}
+
+/// `R` rows of outputs widened to [`ROWS`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn pad<const R: usize>(ys: [[f32; LANES]; R]) -> [[f32; LANES]; ROWS] {
+    let mut out = [[0f32; LANES]; ROWS];
+    out[..R].copy_from_slice(&ys);
+    out
+}
+
+/// Element `i` of lane `j` in a packed block's `data`.
+#[inline(always)]
+fn weight(f: Format, data: &[u8], j: usize, i: usize) -> i32 {
+    match f.nibbles {
+        true => {
+            let byte = data[(i % 16 / 4) * 4 * LANES + j * 4 + i % 4];
+            (if i < 16 { byte & 0x0F } else { byte >> 4 }) as i32
+        }
+        false => {
+            let byte = data[(i / 4) * 4 * LANES + j * 4 + i % 4];
+            match f.signed {
+                true => byte as i8 as i32,
+                false => byte as i32,
+            }
+        }
+    }
+}
+
+/// The portable build (the same operations per lane as the SIMD builds).
+fn scalar(f: Format, group: &[u8], a: ActRow<'_>) -> [f32; LANES] {
+    let bb = f.block_bytes();
+    let mut acc = [0f32; LANES];
+    let mut accm = [0f32; LANES];
+    for (b, blk) in group.chunks_exact(bb).enumerate() {
+        let data = &blk[f.data_at()..];
+        let qa = &a.q[b * QK..(b + 1) * QK];
+        for j in 0..LANES {
+            let sumi: i32 = (qa.iter().enumerate())
+                .map(|(i, &x)| weight(f, data, j, i) * x as i32)
+                .sum();
+            let d = f16_at(blk, 2 * j).to_f32();
+            acc[j] = (sumi as f32).mul_add(d * a.d[b], acc[j]);
+            if f.has_min() {
+                let mw = match f.stored_min {
+                    true => f16_at(blk, 2 * LANES + 2 * j).to_f32(),
+                    false => d * f.min_factor,
+                };
+                accm[j] = mw.mul_add(a.s[b], accm[j]);
+            }
+        }
+    }
+    std::array::from_fn(|j| acc[j] + accm[j])
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{ActRow, Format, LANES, QK};
+    use std::arch::x86_64::*;
+
+    /// Bytes of the weight stream requested ahead of the block being read.
+    const PREFETCH: usize = 1024;
+
+    /// The dword of activation bytes `4c..4c+4` of block `b`.
+    #[inline(always)]
+    unsafe fn act4(a: &ActRow<'_>, b: usize, c: usize) -> i32 {
+        (a.q.as_ptr().add(b * QK + 4 * c) as *const i32).read_unaligned()
+    }
+
+    /// 16 lanes per register, `vpdpbusd` on zmm.
+    ///
+    /// # Safety
+    /// AVX-512F/BW/VL/VNNI, AVX2, FMA and F16C; `group` holds `a[r].d.len()` blocks of `f`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn avx512<const R: usize>(
+        f: Format,
+        group: &[u8],
+        a: &[ActRow<'_>; R],
+    ) -> [[f32; LANES]; R] {
+        let bb = f.block_bytes();
+        let nb = a[0].d.len();
+        let m4 = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut accm = [_mm512_setzero_ps(); R];
+        for b in 0..nb {
+            let p = group.as_ptr().add(b * bb);
+            for line in (0..bb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH + line) as *const i8);
+            }
+            let q = p.add(f.data_at());
+            let mut isum = [_mm512_setzero_si512(); R];
+            if f.nibbles {
+                for c in 0..4 {
+                    let v = _mm512_loadu_si512(q.add(64 * c) as *const _);
+                    let lo = _mm512_and_si512(v, m4);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                    for r in 0..R {
+                        let xl = _mm512_set1_epi32(act4(&a[r], b, c));
+                        let xh = _mm512_set1_epi32(act4(&a[r], b, c + 4));
+                        isum[r] = _mm512_dpbusd_epi32(isum[r], lo, xl);
+                        isum[r] = _mm512_dpbusd_epi32(isum[r], hi, xh);
+                    }
+                }
+            } else {
+                for c in 0..8 {
+                    let v = _mm512_loadu_si512(q.add(64 * c) as *const _);
+                    let (u, neg) = match f.signed {
+                        true => (_mm512_abs_epi8(v), _mm512_movepi8_mask(v)),
+                        false => (v, 0),
+                    };
+                    for r in 0..R {
+                        let x = _mm512_set1_epi32(act4(&a[r], b, c));
+                        let x = match f.signed {
+                            true => _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x),
+                            false => x,
+                        };
+                        isum[r] = _mm512_dpbusd_epi32(isum[r], u, x);
+                    }
+                }
+            }
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i));
+            let mw = match f.stored_min {
+                true => _mm512_cvtph_ps(_mm256_loadu_si256(p.add(2 * LANES) as *const __m256i)),
+                false => _mm512_mul_ps(d, _mm512_set1_ps(f.min_factor)),
+            };
+            for r in 0..R {
+                let s = _mm512_mul_ps(d, _mm512_set1_ps(*a[r].d.get_unchecked(b)));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), s, acc[r]);
+                if f.has_min() {
+                    let sa = _mm512_set1_ps(*a[r].s.get_unchecked(b));
+                    accm[r] = _mm512_fmadd_ps(mw, sa, accm[r]);
+                }
+            }
+        }
+        let mut out = [[0f32; LANES]; R];
+        for r in 0..R {
+            _mm512_storeu_ps(out[r].as_mut_ptr(), _mm512_add_ps(acc[r], accm[r]));
+        }
+        out
+    }
+
+    /// 8 lanes per register (two passes per group), `vpmaddubsw` + `vpmaddwd`.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; `group` holds `a[r].d.len()` blocks of `f`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn avx2<const R: usize>(
+        f: Format,
+        group: &[u8],
+        a: &[ActRow<'_>; R],
+    ) -> [[f32; LANES]; R] {
+        let bb = f.block_bytes();
+        let nb = a[0].d.len();
+        let m4 = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let mut out = [[0f32; LANES]; R];
+        for h in 0..2 {
+            let mut acc = [_mm256_setzero_ps(); R];
+            let mut accm = [_mm256_setzero_ps(); R];
+            for b in 0..nb {
+                let p = group.as_ptr().add(b * bb);
+                for line in (0..bb).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH + line) as *const i8);
+                }
+                let q = p.add(f.data_at() + 32 * h);
+                let mut isum = [_mm256_setzero_si256(); R];
+                let dot =
+                    |u: __m256i, x: __m256i| _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones);
+                if f.nibbles {
+                    for c in 0..4 {
+                        let v = _mm256_loadu_si256(q.add(64 * c) as *const __m256i);
+                        let lo = _mm256_and_si256(v, m4);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                        for r in 0..R {
+                            let xl = _mm256_set1_epi32(act4(&a[r], b, c));
+                            let xh = _mm256_set1_epi32(act4(&a[r], b, c + 4));
+                            isum[r] = _mm256_add_epi32(isum[r], dot(lo, xl));
+                            isum[r] = _mm256_add_epi32(isum[r], dot(hi, xh));
+                        }
+                    }
+                } else {
+                    for c in 0..8 {
+                        let v = _mm256_loadu_si256(q.add(64 * c) as *const __m256i);
+                        let u = match f.signed {
+                            true => _mm256_sign_epi8(v, v),
+                            false => v,
+                        };
+                        for r in 0..R {
+                            let x = _mm256_set1_epi32(act4(&a[r], b, c));
+                            let x = match f.signed {
+                                true => _mm256_sign_epi8(x, v),
+                                false => x,
+                            };
+                            isum[r] = _mm256_add_epi32(isum[r], dot(u, x));
+                        }
+                    }
+                }
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(p.add(16 * h) as *const __m128i));
+                let mw = match f.stored_min {
+                    true => _mm256_cvtph_ps(_mm_loadu_si128(
+                        p.add(2 * LANES + 16 * h) as *const __m128i
+                    )),
+                    false => _mm256_mul_ps(d, _mm256_set1_ps(f.min_factor)),
+                };
+                for r in 0..R {
+                    let s = _mm256_mul_ps(d, _mm256_set1_ps(*a[r].d.get_unchecked(b)));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), s, acc[r]);
+                    if f.has_min() {
+                        let sa = _mm256_set1_ps(*a[r].s.get_unchecked(b));
+                        accm[r] = _mm256_fmadd_ps(mw, sa, accm[r]);
+                    }
+                }
+            }
+            for r in 0..R {
+                _mm256_storeu_ps(
+                    out[r].as_mut_ptr().add(8 * h),
+                    _mm256_add_ps(acc[r], accm[r]),
+                );
+            }
+        }
+        out
+    }
+}
