@@ -16,7 +16,7 @@ use specula_protocol::sdk::{
 use specula_protocol::wire::{Capabilities, PrefillMode, SamplingSpec, SessionId, TargetInfo};
 use tracing::{debug, info, warn};
 
-use crate::config::{config_path, MtpConfig};
+use crate::config::MtpConfig;
 use crate::model::{argmax_rows, Mtp};
 use crate::state::{Core, Session};
 use crate::weights::{self, WeightsSource};
@@ -82,7 +82,7 @@ impl MtpDrafter {
     pub fn load(&mut self, target: &TargetInfo) -> Result<(), Error> {
         let dir = self.source.resolve(target)?;
         let mut weights = weights::open(&dir)?;
-        let config = MtpConfig::load(&config_path(&dir), &weights, &target.architecture)?;
+        let config = MtpConfig::for_checkpoint(&dir, &weights, &target.architecture)?;
         if config.hidden_size != target.hidden_size as usize {
             return Err(Error::Target(format!(
                 "the MTP module's hidden size is {}, the target's {}",

@@ -15,7 +15,7 @@
 //! Which of `pre` / `post` a deeper step feeds back is [`crate::Recycle`].
 
 use candle_core::{Device, Tensor, D};
-use specula_models::layers::{Linear, Mlp, RmsNorm, Rope, RopeStyle};
+use specula_models::layers::{Linear, Mlp, RmsNorm, Rope};
 use specula_models::weights::{Bias, Weights};
 
 use crate::config::{MtpConfig, GATED};
@@ -80,8 +80,8 @@ pub struct Step {
 }
 
 impl Mtp {
-    /// Loads the module `config` names from `weights` (dense f32); RoPE tables cover
-    /// `max_pos` positions (half-split: HF safetensors layout).
+    /// Loads the module `config` names from `weights`; RoPE tables (in `config.rope`'s style)
+    /// cover `max_pos` positions.
     ///
     /// # Errors
     /// [`Error::Weights`] for a missing or misshapen tensor, a gated-attention q_proj.
@@ -165,7 +165,7 @@ impl Mtp {
             ),
             None => None,
         };
-        let rope = Rope::new(hd, max_pos, c.rope_theta, RopeStyle::HalfSplit).map_err(bad)?;
+        let rope = Rope::new(hd, max_pos, c.rope_theta, c.rope).map_err(bad)?;
         Ok(Mtp {
             token_norm: norm(weights, &n.token_norm, h)?,
             hidden_norm: norm(weights, &n.hidden_norm, h)?,
