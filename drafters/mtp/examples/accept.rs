@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use mtp::{MtpDrafter, Options, WeightsSource};
+use mtp::{LinearDType, MtpDrafter, Options, WeightsSource};
 use serde_json::{json, Value};
 use specula_models::loader::{load, LoadOptions};
 use specula_models::{ForwardRequest, Rows, TapId, WeightDType};
@@ -32,6 +32,7 @@ struct Args {
     prompts: PathBuf,
     weights: PathBuf,
     json: Option<PathBuf>,
+    linear_dtype: LinearDType,
 }
 
 fn args() -> Result<Args> {
@@ -43,6 +44,7 @@ fn args() -> Result<Args> {
         prompts: root.join("tests/fixtures/mtp/twin-chain.json"),
         weights: root.join("drafters/weights/smollm2-135m/mtp"),
         json: None,
+        linear_dtype: LinearDType::Stored,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -60,8 +62,15 @@ fn args() -> Result<Args> {
             "--prompts" => a.prompts = val()?.into(),
             "--weights" => a.weights = val()?.into(),
             "--json" => a.json = Some(val()?.into()),
+            "--linear-dtype" => {
+                a.linear_dtype = match val()?.as_str() {
+                    "stored" => LinearDType::Stored,
+                    "q8_0" => LinearDType::Q8_0,
+                    other => bail!("--linear-dtype {other}: stored or q8_0"),
+                }
+            }
             other => bail!(
-                "unknown argument {other} (--model, --dtype, --new, --prompts, --weights, --json)"
+                "unknown argument {other} (--model, --dtype, --new, --prompts, --weights, --json, --linear-dtype)"
             ),
         }
     }
@@ -93,7 +102,13 @@ fn main() -> Result<()> {
         ..TargetInfo::default()
     };
     let source = WeightsSource::Path(a.weights.clone());
-    let mut d = MtpDrafter::new(source, Options { max_draft: 2 })?;
+    let mut d = MtpDrafter::new(
+        source,
+        Options {
+            max_draft: 2,
+            linear_dtype: a.linear_dtype,
+        },
+    )?;
     d.accept_target(&target).map_err(anyhow::Error::msg)?;
     let fixture: Value = serde_json::from_str(&std::fs::read_to_string(&a.prompts)?)?;
     let hidden = c.hidden_size;

@@ -102,7 +102,14 @@ fn drafts(target: &TargetInfo, seq: &[u32], h: &[f32], hidden: usize) -> Vec<Vec
     let source = WeightsSource::Auto {
         root: empty.path().to_path_buf(),
     };
-    let mut d = MtpDrafter::new(source, Options { max_draft: 3 }).expect("options");
+    let mut d = MtpDrafter::new(
+        source,
+        Options {
+            max_draft: 3,
+            ..Options::default()
+        },
+    )
+    .expect("options");
     d.accept_target(target)
         .expect("the MTP layer is found in the target's file");
     let rows = |from: usize, to: usize| &h[from * hidden..to * hidden];

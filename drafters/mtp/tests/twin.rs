@@ -91,8 +91,14 @@ fn shipped_smollm2_mtp_drafts_what_its_pytorch_twin_drafts() {
         context_len: model.context_len() as u32,
         ..TargetInfo::default()
     };
-    let mut d = MtpDrafter::new(WeightsSource::Path(weights), Options { max_draft: 2 })
-        .expect("drafter options");
+    let mut d = MtpDrafter::new(
+        WeightsSource::Path(weights),
+        Options {
+            max_draft: 2,
+            ..Options::default()
+        },
+    )
+    .expect("drafter options");
     d.accept_target(&target).expect("the head fits SmolLM2");
     assert!(d.capabilities(&target).final_hidden);
     let hidden = c.hidden_size;
