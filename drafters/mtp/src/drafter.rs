@@ -35,7 +35,7 @@ impl Default for Options {
     fn default() -> Self {
         Options {
             max_draft: 4,
-            linear_dtype: LinearDType::Stored,
+            linear_dtype: LinearDType::Q8_0,
         }
     }
 }

@@ -28,7 +28,7 @@ struct Args {
     /// The module's own projections: `stored` (as the checkpoint has them: the references'
     /// numerics) or `q8_0` (requantized at load: fewer bytes per step; drafts may differ,
     /// output never does).
-    #[arg(long, default_value = "stored")]
+    #[arg(long, default_value = "q8_0")]
     linear_dtype: String,
 }
 

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
-use mtp::{MtpDrafter, Options, WeightsSource};
+use mtp::{LinearDType, MtpDrafter, Options, WeightsSource};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use specula_models::testing::TinyModel;
@@ -106,7 +106,7 @@ fn drafts(target: &TargetInfo, seq: &[u32], h: &[f32], hidden: usize) -> Vec<Vec
         source,
         Options {
             max_draft: 3,
-            ..Options::default()
+            linear_dtype: LinearDType::Stored,
         },
     )
     .expect("options");

@@ -16,7 +16,7 @@
 
 use std::path::{Path, PathBuf};
 
-use mtp::{MtpDrafter, Options, WeightsSource};
+use mtp::{LinearDType, MtpDrafter, Options, WeightsSource};
 use serde_json::Value;
 use specula_models::{load_model, ForwardRequest, LoadOptions, Rows, TapId, WeightDType};
 use specula_protocol::sdk::{CommitArgs, Drafter, OpenArgs, Taps};
@@ -95,7 +95,7 @@ fn shipped_smollm2_mtp_drafts_what_its_pytorch_twin_drafts() {
         WeightsSource::Path(weights),
         Options {
             max_draft: 2,
-            ..Options::default()
+            linear_dtype: LinearDType::Stored,
         },
     )
     .expect("drafter options");
