@@ -621,11 +621,18 @@ impl ModelConfig {
             },
         };
         let has = |t: &str| content.tensor_infos.contains_key(t);
+        // llama.cpp counts MTP (NextN) layers in `block_count` (`blk.N.nextn.*`, after the
+        // N decoder layers); the target runs only the decoder layers.
+        let blocks = md.usize(&key("block_count"))?;
+        let nextn = md.opt_usize(&key("nextn_predict_layers"))?.unwrap_or(0);
+        if nextn >= blocks {
+            return Err(md.invalid(format!("{nextn} MTP layers but only {blocks} blocks")));
+        }
         let cfg = ModelConfig {
             vocab_size,
             hidden_size,
             intermediate_size: md.usize(&key("feed_forward_length"))?,
-            num_hidden_layers: md.usize(&key("block_count"))?,
+            num_hidden_layers: blocks - nextn,
             num_attention_heads,
             num_key_value_heads,
             head_dim,

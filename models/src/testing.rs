@@ -167,6 +167,16 @@ impl TinyModel {
     /// [`Error::Io`] if the file cannot be written, [`Error::Candle`] if a tensor cannot be
     /// quantized to `dtype` (row length not a multiple of its block).
     pub fn write_gguf(&self, path: &Path, dtype: GgmlDType) -> Result<()> {
+        self.write_gguf_with_nextn(path, dtype, 0)
+    }
+
+    /// As [`TinyModel::write_gguf`], for a model whose tensors include `nextn` MTP layers after
+    /// its decoder layers (DeepSeek names, `model.layers.{L}.eh_proj`, …): llama.cpp counts them
+    /// in `block_count` and records `{arch}.nextn_predict_layers`.
+    ///
+    /// # Errors
+    /// As [`TinyModel::write_gguf`].
+    pub fn write_gguf_with_nextn(&self, path: &Path, dtype: GgmlDType, nextn: usize) -> Result<()> {
         let cfg = &self.config;
         let spec = switches(&cfg.model_type)?;
         let mut qtensors = Vec::new();
@@ -189,9 +199,12 @@ impl TinyModel {
         }
         let arch = spec.name;
         let u32v = |v: usize| Value::U32(v as u32);
-        let md: Vec<(String, Value)> = vec![
+        let mut md: Vec<(String, Value)> = vec![
             ("general.architecture".into(), Value::String(arch.into())),
-            (format!("{arch}.block_count"), u32v(cfg.num_hidden_layers)),
+            (
+                format!("{arch}.block_count"),
+                u32v(cfg.num_hidden_layers + nextn),
+            ),
             (format!("{arch}.embedding_length"), u32v(cfg.hidden_size)),
             (
                 format!("{arch}.feed_forward_length"),
@@ -220,6 +233,9 @@ impl TinyModel {
             ),
             (format!("{arch}.vocab_size"), u32v(cfg.vocab_size)),
         ];
+        if nextn > 0 {
+            md.push((format!("{arch}.nextn_predict_layers"), u32v(nextn)));
+        }
         let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
         let t_refs: Vec<(&str, &QTensor)> = qtensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
         let mut file = std::fs::File::create(path).map_err(|source| Error::Io {

@@ -100,6 +100,14 @@ pub fn gguf_name_in(names: GgufNames, hf: &str) -> Option<String> {
                 "mlp.gate_proj" => "ffn_gate",
                 "mlp.up_proj" => "ffn_up",
                 "mlp.down_proj" => "ffn_down",
+                // An MTP (NextN) layer, DeepSeek-V3/GLM names: llama.cpp's `blk.N.nextn.*`
+                // (gguf-py `MODEL_TENSOR.NEXTN_*`, N = the target's layer count).
+                "eh_proj" => "nextn.eh_proj",
+                "enorm" => "nextn.enorm",
+                "hnorm" => "nextn.hnorm",
+                "embed_tokens" => "nextn.embed_tokens",
+                "shared_head.head" => "nextn.shared_head_head",
+                "shared_head.norm" => "nextn.shared_head_norm",
                 _ => return None,
             };
             format!("blk.{layer}.{part}")
@@ -400,6 +408,19 @@ mod tests {
         assert_eq!(
             gguf_name("model.layers.3.post_attention_layernorm.weight").as_deref(),
             Some("blk.3.ffn_norm.weight")
+        );
+        // An MTP layer (llama.cpp NextN names).
+        assert_eq!(
+            gguf_name("model.layers.30.eh_proj.weight").as_deref(),
+            Some("blk.30.nextn.eh_proj.weight")
+        );
+        assert_eq!(
+            gguf_name("model.layers.30.shared_head.head.weight").as_deref(),
+            Some("blk.30.nextn.shared_head_head.weight")
+        );
+        assert_eq!(
+            gguf_name("model.layers.30.shared_head.norm.weight").as_deref(),
+            Some("blk.30.nextn.shared_head_norm.weight")
         );
     }
 }

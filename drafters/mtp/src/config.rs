@@ -17,6 +17,10 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
+use specula_models::arch::llama::Switches;
+use specula_models::config::ModelConfig;
+use specula_models::layers::RopeStyle;
+use specula_models::loader::read_gguf;
 use specula_models::weights::Weights;
 
 use crate::Error;
@@ -134,6 +138,9 @@ pub struct MtpConfig {
     pub recycle: Recycle,
     /// The most drafts a round may chain (MiMo: 1, as its reference asserts).
     pub max_depth: Option<usize>,
+    /// How q/k are laid out for RoPE: half-split in HF checkpoints; in GGUF files as the
+    /// target's architecture stores them (llama's rows are permuted to interleaved pairs).
+    pub rope: RopeStyle,
 }
 
 fn get<'a>(json: &'a Value, key: &str) -> Option<&'a Value> {
@@ -163,6 +170,61 @@ impl MtpConfig {
             reason: e.to_string(),
         })?;
         Self::from_json(&json, config, weights, target_arch)
+    }
+
+    /// The config of the checkpoint at `path`: a folder's `config.json`
+    /// ([`MtpConfig::load`]), or a GGUF file's metadata ([`MtpConfig::from_gguf`]).
+    ///
+    /// # Errors
+    /// As [`MtpConfig::load`].
+    pub fn for_checkpoint(
+        path: &Path,
+        weights: &Weights,
+        target_arch: &str,
+    ) -> Result<Self, Error> {
+        match crate::weights::is_gguf(path) {
+            true => Self::from_gguf(path, weights, target_arch),
+            false => Self::load(&config_path(path), weights, target_arch),
+        }
+    }
+
+    /// The config of a GGUF target carrying llama.cpp's NextN layer (`blk.{L}.nextn.*`, `L` =
+    /// its decoder layers, `{arch}.nextn_predict_layers`): the block's shapes are the target's
+    /// (`{arch}.*` metadata), with the conventions of the DeepSeek/GLM layout the NextN names
+    /// come from; q/k rows as the architecture's GGUF files store them.
+    ///
+    /// # Errors
+    /// As [`MtpConfig::load`]; [`Error::Config`] for unreadable metadata.
+    pub fn from_gguf(path: &Path, weights: &Weights, target_arch: &str) -> Result<Self, Error> {
+        let bad = |reason: String| Error::Config {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let (content, _) = read_gguf(path).map_err(|e| bad(e.to_string()))?;
+        let c = ModelConfig::from_gguf(&content, path).map_err(|e| bad(e.to_string()))?;
+        let arch = &c.model_type;
+        let nextn = match content
+            .metadata
+            .get(&format!("{arch}.nextn_predict_layers"))
+        {
+            Some(v) => v.to_u32().map_err(|e| bad(e.to_string()))? as usize,
+            None => 0,
+        };
+        let json = serde_json::json!({
+            "hidden_size": c.hidden_size,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.kv_heads(),
+            "head_dim": c.head_dim(),
+            "intermediate_size": c.intermediate_size,
+            "vocab_size": c.vocab_size,
+            "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope_theta,
+            "num_hidden_layers": c.num_hidden_layers,
+            "num_nextn_predict_layers": nextn,
+        });
+        let mut config = Self::from_json(&json, path, weights, target_arch)?;
+        config.rope = Switches::of(arch).map_or(RopeStyle::HalfSplit, |s| s.gguf_rope);
+        Ok(config)
     }
 
     /// As [`MtpConfig::load`], from parsed JSON (`path` only names it in errors).
@@ -253,6 +315,7 @@ impl MtpConfig {
                 && !specula_trained,
             recycle,
             max_depth: (layout == Layout::MiMo).then_some(1),
+            rope: RopeStyle::HalfSplit,
         })
     }
 }

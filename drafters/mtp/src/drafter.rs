@@ -16,8 +16,8 @@ use specula_protocol::sdk::{
 use specula_protocol::wire::{Capabilities, PrefillMode, SamplingSpec, SessionId, TargetInfo};
 use tracing::{debug, info, warn};
 
-use crate::config::{config_path, MtpConfig};
-use crate::model::{argmax_rows, Mtp};
+use crate::config::MtpConfig;
+use crate::model::{argmax_rows, LinearDType, Mtp};
 use crate::state::{Core, Session};
 use crate::weights::{self, WeightsSource};
 use crate::{fwd, Error};
@@ -27,11 +27,16 @@ use crate::{fwd, Error};
 pub struct Options {
     /// The most drafts per round (`--max-draft`; MiMo: 1 whatever this says).
     pub max_draft: usize,
+    /// How the module's own projections are kept (`--linear-dtype`).
+    pub linear_dtype: LinearDType,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { max_draft: 4 }
+        Options {
+            max_draft: 4,
+            linear_dtype: LinearDType::Q8_0,
+        }
     }
 }
 
@@ -82,7 +87,7 @@ impl MtpDrafter {
     pub fn load(&mut self, target: &TargetInfo) -> Result<(), Error> {
         let dir = self.source.resolve(target)?;
         let mut weights = weights::open(&dir)?;
-        let config = MtpConfig::load(&config_path(&dir), &weights, &target.architecture)?;
+        let config = MtpConfig::for_checkpoint(&dir, &weights, &target.architecture)?;
         if config.hidden_size != target.hidden_size as usize {
             return Err(Error::Target(format!(
                 "the MTP module's hidden size is {}, the target's {}",
@@ -110,7 +115,7 @@ impl MtpDrafter {
             "MTP module loaded"
         );
         let (hidden, vocab) = (config.hidden_size, config.vocab_size);
-        let mtp = Mtp::load(config, &mut weights, max_pos)?;
+        let mtp = Mtp::load(config, &mut weights, max_pos, self.options.linear_dtype)?;
         self.loaded = Some(Loaded {
             core: Core {
                 mtp,
@@ -262,7 +267,7 @@ impl Drafter for MtpDrafter {
         };
         match e.state.draft(&m.core, n, m.max_pos, &mut pick) {
             Ok(d) => Proposal {
-                tokens: d.tokens,
+                tokens: d,
                 q: sampled.then_some(q),
                 confidence: None,
             },

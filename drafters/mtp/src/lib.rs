@@ -28,7 +28,7 @@ use std::path::PathBuf;
 
 pub use config::{Layout, MtpConfig, Recycle};
 pub use drafter::{MtpDrafter, Options};
-pub use model::Mtp;
+pub use model::{LinearDType, Mtp};
 pub use weights::WeightsSource;
 
 /// Why the drafter cannot load or run.

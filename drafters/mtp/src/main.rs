@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use mtp::weights::default_root;
-use mtp::{MtpDrafter, Options, WeightsSource};
+use mtp::{LinearDType, MtpDrafter, Options, WeightsSource};
 
 /// Command line of the drafter.
 #[derive(Parser, Debug)]
@@ -15,8 +15,8 @@ use mtp::{MtpDrafter, Options, WeightsSource};
     about = "Specula's native MTP drafter (started by target-host)"
 )]
 struct Args {
-    /// A folder with the MTP module's `config.json` and safetensors; by default the target's
-    /// own checkpoint, else the head shipped for the target.
+    /// A folder with the MTP module's `config.json` and safetensors (or a GGUF file with a
+    /// NextN layer); by default the target's own checkpoint, else the head shipped for it.
     #[arg(long)]
     weights: Option<PathBuf>,
     /// Where shipped heads live (default: `SPECULA_DRAFTER_WEIGHTS`, else drafters/weights).
@@ -25,6 +25,11 @@ struct Args {
     /// The most drafts per round (by recursion; MiMo drafts one).
     #[arg(long, default_value_t = Options::default().max_draft)]
     max_draft: usize,
+    /// The module's own projections: `stored` (as the checkpoint has them: the references'
+    /// numerics) or `q8_0` (requantized at load: fewer bytes per step; drafts may differ,
+    /// output never does).
+    #[arg(long, default_value = "q8_0")]
+    linear_dtype: String,
 }
 
 fn main() -> ExitCode {
@@ -39,8 +44,17 @@ fn main() -> ExitCode {
             root: args.weights_root.unwrap_or_else(default_root),
         },
     };
+    let linear_dtype = match args.linear_dtype.as_str() {
+        "stored" | "f32" => LinearDType::Stored,
+        "q8_0" => LinearDType::Q8_0,
+        other => {
+            eprintln!("mtp: --linear-dtype must be stored or q8_0, got {other:?}");
+            return ExitCode::from(2);
+        }
+    };
     let options = Options {
         max_draft: args.max_draft,
+        linear_dtype,
     };
     match MtpDrafter::new(source, options) {
         Ok(drafter) => specula_protocol::sdk::serve(drafter),

@@ -32,15 +32,6 @@ pub struct Core {
     pub lm_head: Linear,
 }
 
-/// One round's drafts.
-#[derive(Debug, Clone, Default)]
-pub struct Drafts {
-    /// The drafted ids.
-    pub tokens: Vec<u32>,
-    /// The logits each was picked from, `vocab` values per draft.
-    pub logits: Vec<Vec<f32>>,
-}
-
 /// One session's state.
 #[derive(Debug, Clone, Default)]
 pub struct Session {
@@ -143,7 +134,7 @@ impl Session {
     }
 
     /// Drafts up to `n` ids (fewer at `max_pos` or the layout's depth limit); `pick` chooses
-    /// each id from its logits `[1, vocab]`.
+    /// each id from its logits `[1, vocab]` (and may keep them: nothing else is copied out).
     ///
     /// # Errors
     /// [`Error::Forward`] when a step fails.
@@ -153,33 +144,27 @@ impl Session {
         n: usize,
         max_pos: usize,
         pick: &mut dyn FnMut(&Tensor) -> Result<u32, Error>,
-    ) -> Result<Drafts, Error> {
+    ) -> Result<Vec<u32>, Error> {
         let mtp = &core.mtp;
         let depth = mtp.config().max_depth.map_or(n, |d| n.min(d));
         // Step j runs at pos - 1 + j; every position must fit the RoPE tables.
         let depth = depth.min(max_pos.saturating_sub(self.pos));
         let Some(first) = self.last.clone() else {
-            return Ok(Drafts::default());
+            return Ok(Vec::new());
         };
-        let mut out = Drafts::default();
+        let mut out = Vec::with_capacity(depth);
         let verified = self.cache.rows();
         let mut step = first;
         let result = (|| {
             for j in 0..depth {
                 if j > 0 {
-                    let prev = *out.tokens.last().expect("invariant: one draft per step");
+                    let prev = *out.last().expect("invariant: one draft per step");
                     let emb = core.embedding.forward(&[prev]).map_err(fwd)?;
                     let h = mtp.recycled(&step).clone();
                     step = mtp.forward(&mut self.cache, &h, &emb, self.pos - 1 + j)?;
                 }
                 let logits = mtp.logits(&step.post, &core.lm_head)?;
-                out.tokens.push(pick(&logits)?);
-                out.logits.push(
-                    logits
-                        .flatten_all()
-                        .and_then(|t| t.to_vec1())
-                        .map_err(fwd)?,
-                );
+                out.push(pick(&logits)?);
             }
             Ok(())
         })();

@@ -10,7 +10,7 @@ use candle_core::Device;
 use mtp::config::{config_path, MtpConfig};
 use mtp::model::argmax_rows;
 use mtp::state::{Core, Session};
-use mtp::{weights, Layout, Mtp, Recycle};
+use mtp::{weights, Layout, LinearDType, Mtp, Recycle};
 use serde_json::Value;
 
 fn fixtures() -> PathBuf {
@@ -23,6 +23,11 @@ fn load(case: &str) -> (Core, MtpConfig) {
 
 /// Loads `case` with its config changed by `edit`.
 fn load_with(case: &str, edit: impl FnOnce(&mut MtpConfig)) -> (Core, MtpConfig) {
+    load_as(case, edit, LinearDType::Stored)
+}
+
+/// Loads `case` with its config changed by `edit` and its projections kept as `dtype`.
+fn load_as(case: &str, edit: impl FnOnce(&mut MtpConfig), dtype: LinearDType) -> (Core, MtpConfig) {
     let dir = fixtures().join(case);
     let mut w = weights::open(&dir).expect("fixture weights");
     let json: Value =
@@ -33,7 +38,7 @@ fn load_with(case: &str, edit: impl FnOnce(&mut MtpConfig)) -> (Core, MtpConfig)
     let (embedding, lm_head) = w
         .embedding_and_head((config.vocab_size, config.hidden_size), false)
         .expect("the target's embedding and lm_head");
-    let mtp = Mtp::load(config.clone(), &mut w, 512).expect("module");
+    let mtp = Mtp::load(config.clone(), &mut w, 512, dtype).expect("module");
     (
         Core {
             mtp,
@@ -53,6 +58,22 @@ fn replay(case: &str, k: usize) {
 }
 
 /// Replays `rounds_k{k}.json` of `case` through `core`; the first mismatch, if any.
+/// Greedy drafts of `session` with the logits each was picked from.
+struct Drafts {
+    tokens: Vec<u32>,
+    logits: Vec<Vec<f32>>,
+}
+
+fn greedy(session: &mut Session, core: &Core, k: usize) -> Drafts {
+    let mut logits = Vec::new();
+    let mut pick = |l: &candle_core::Tensor| {
+        logits.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        Ok(argmax_rows(l)?[0])
+    };
+    let tokens = session.draft(core, k, 512, &mut pick).unwrap();
+    Drafts { tokens, logits }
+}
+
 fn replay_with(core: &Core, case: &str, k: usize) -> Result<(), String> {
     let path = fixtures().join(case).join(format!("rounds_k{k}.json"));
     let data: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
@@ -78,8 +99,7 @@ fn replay_with(core: &Core, case: &str, k: usize) -> Result<(), String> {
             .collect();
         let h = candle_core::Tensor::from_vec(h, (ids.len(), hidden), &Device::Cpu).unwrap();
         session.extend(core, Some(&h), &ids).unwrap();
-        let mut pick = |l: &candle_core::Tensor| Ok(argmax_rows(l)?[0]);
-        let drafts = session.draft(core, k, 512, &mut pick).unwrap();
+        let drafts = greedy(&mut session, core, k);
         let want: Vec<u32> = round["drafts"]
             .as_array()
             .unwrap()
@@ -149,8 +169,7 @@ fn mimo_layout_matches_vllm_and_drafts_one() {
     let h = candle_core::Tensor::ones((2, c.hidden_size), candle_core::DType::F32, &Device::Cpu)
         .unwrap();
     s.extend(&core, Some(&h), &[3, 4]).unwrap();
-    let mut pick = |l: &candle_core::Tensor| Ok(argmax_rows(l)?[0]);
-    assert_eq!(s.draft(&core, 3, 512, &mut pick).unwrap().tokens.len(), 1);
+    assert_eq!(greedy(&mut s, &core, 3).tokens.len(), 1);
 }
 
 /// The fixtures tell the conventions apart: flipping DeepSeek's recycle rule, its position-0
@@ -177,10 +196,9 @@ fn a_long_window_equals_the_same_rows_in_small_windows() {
         .collect();
     let h = candle_core::Tensor::from_vec(h, (n, c.hidden_size), &Device::Cpu).unwrap();
     let ids: Vec<u32> = (0..n).map(|i| (i * 31 % c.vocab_size) as u32).collect();
-    let mut pick = |l: &candle_core::Tensor| Ok(argmax_rows(l)?[0]);
     let mut whole = Session::new();
     whole.extend(&core, Some(&h), &ids).unwrap();
-    let a = whole.draft(&core, 3, 512, &mut pick).unwrap();
+    let a = greedy(&mut whole, &core, 3);
     let mut pieces = Session::new();
     for start in (0..n).step_by(9) {
         let len = 9.min(n - start);
@@ -189,10 +207,42 @@ fn a_long_window_equals_the_same_rows_in_small_windows() {
             .extend(&core, Some(&rows), &ids[start..start + len])
             .unwrap();
     }
-    let b = pieces.draft(&core, 3, 512, &mut pick).unwrap();
+    let b = greedy(&mut pieces, &core, 3);
     assert_eq!(whole.rows(), (n, 0));
     assert_eq!(a.tokens, b.tokens);
     for (x, y) in a.logits.iter().flatten().zip(b.logits.iter().flatten()) {
         assert!((x - y).abs() < 1e-4, "{x} vs {y}");
+    }
+}
+
+/// `--linear-dtype q8_0` requantizes the module's projections (its own head included): the
+/// logits move off the f32 reference, by no more than Q8_0's rounding allows.
+#[test]
+fn q8_linears_stay_near_the_reference() {
+    for case in ["deepseek_llama", "deepseek_qwen3"] {
+        let (f32_core, c) = load(case);
+        let (q8_core, _) = load_as(case, |_| {}, LinearDType::Q8_0);
+        let n = 40;
+        let h: Vec<f32> = (0..n * c.hidden_size)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let h = candle_core::Tensor::from_vec(h, (n, c.hidden_size), &Device::Cpu).unwrap();
+        let ids: Vec<u32> = (0..n).map(|i| (i * 31 % c.vocab_size) as u32).collect();
+        let run = |core: &Core| {
+            let mut s = Session::new();
+            s.extend(core, Some(&h), &ids).unwrap();
+            greedy(&mut s, core, 3)
+        };
+        let (a, b) = (run(&f32_core), run(&q8_core));
+        let (mut worst, mut scale) = (0.0f32, 0.0f32);
+        for (x, y) in a.logits.iter().flatten().zip(b.logits.iter().flatten()) {
+            worst = worst.max((x - y).abs());
+            scale = scale.max(x.abs());
+        }
+        assert!(worst > 0.0, "{case}: q8_0 changed nothing: not requantized");
+        assert!(
+            worst < 0.05 * scale,
+            "{case}: q8_0 logits off by {worst} (scale {scale})"
+        );
     }
 }

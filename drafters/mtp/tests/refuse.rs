@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use mtp::config::{config_path, MtpConfig};
-use mtp::{weights, Error, Mtp, MtpDrafter, Options, WeightsSource};
+use mtp::{weights, Error, LinearDType, Mtp, MtpDrafter, Options, WeightsSource};
 use serde_json::Value;
 use specula_protocol::sdk::Drafter;
 use specula_protocol::wire::TargetInfo;
@@ -41,7 +41,7 @@ fn edited(
 fn refusal(dir: &Path, block: &str) -> String {
     let mut w = weights::open(dir).unwrap();
     let result = MtpConfig::load(&config_path(dir), &w, block)
-        .and_then(|c| Mtp::load(c, &mut w, 64).map(|_| ()));
+        .and_then(|c| Mtp::load(c, &mut w, 64, LinearDType::Stored).map(|_| ()));
     match result {
         Ok(()) => panic!("{} was accepted", dir.display()),
         Err(e) => e.to_string(),
@@ -139,7 +139,10 @@ fn refuses_what_the_config_asks_for_and_a_missing_module() {
 fn the_drafter_refuses_a_target_it_does_not_fit_and_a_zero_depth() {
     let err = MtpDrafter::new(
         WeightsSource::Path(fixture("mimo")),
-        Options { max_draft: 0 },
+        Options {
+            max_draft: 0,
+            ..Options::default()
+        },
     )
     .err()
     .expect("--max-draft 0 is refused");
