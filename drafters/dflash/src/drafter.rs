@@ -87,8 +87,9 @@ struct Loaded {
     backbone: Backbone,
     heads: Option<Heads>,
     io: Io,
-    /// `[1, hidden]`: the MASK slot's embedding (the target's row or `mask_embedding`).
-    mask_row: Tensor,
+    /// `[B − 1, hidden]`: the block's MASK slots, embedded (the target's row or
+    /// `mask_embedding`) and scaled once at load: every round reuses them.
+    masks: Tensor,
     block: usize,
     sources: Vec<Source>,
     caps: Capabilities,
@@ -200,6 +201,8 @@ impl DFlash {
                 .reshape((1, config.hidden_size))
                 .map_err(err)?,
         };
+        let masks = (mask_row.repeat((block - 1, 1)).map_err(err)? * config.input_embedding_scale)
+            .map_err(err)?;
         info!(
             kind = ?config.kind,
             weights = %dir.display(),
@@ -213,7 +216,7 @@ impl DFlash {
             backbone,
             heads,
             io,
-            mask_row,
+            masks,
             block,
             sources,
             caps,
@@ -247,10 +250,9 @@ impl DFlash {
             if ask.n == 0 || s.pos + m.block > m.max_pos || s.context.rows() == 0 || s.resync {
                 continue;
             }
-            let anchor = m.io.embedding.forward(&[s.anchor]).map_err(err)?;
-            let masks = m.mask_row.repeat((m.block - 1, 1)).map_err(err)?;
-            let embeddings =
-                (Tensor::cat(&[&anchor, &masks], 0).map_err(err)? * scale).map_err(err)?;
+            let anchor =
+                (m.io.embedding.forward(&[s.anchor]).map_err(err)? * scale).map_err(err)?;
+            let embeddings = Tensor::cat(&[&anchor, &m.masks], 0).map_err(err)?;
             inputs.push(BlockAsk {
                 context: &s.context,
                 embeddings,

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use dflash::{DFlash, LinearDType, Options, VocabChoice, WeightsSource};
+use dflash::{Block, DFlash, LinearDType, Options, VocabChoice, WeightsSource};
 use serde_json::Value;
 use specula_protocol::sdk::{AdvanceArgs, CommitArgs, DraftAsk, Drafter, OpenArgs, Taps};
 use specula_protocol::wire::{SamplingSpec, TargetInfo};
@@ -91,6 +91,28 @@ fn ids(v: &Value) -> Vec<u32> {
         .iter()
         .map(|x| x.as_u64().unwrap() as u32)
         .collect()
+}
+
+/// The first round of `case` on `d`: session 1 opened on the prompt with the `open` taps and
+/// `sampling`, one block of up to 16 drafts.
+fn first_block(d: &mut DFlash, case: &Case, sampling: &SamplingSpec) -> Block {
+    let mut prompt = ids(&case.meta["prompt"]);
+    prompt.push(case.meta["rounds"][0]["anchor"].as_u64().unwrap() as u32);
+    let open = case.taps("open");
+    let taps = Taps::from_f32(0, case.rows("open"), &open, None, &[]);
+    let args = OpenArgs {
+        prompt: &prompt,
+        sampling,
+        taps: Some(taps),
+    };
+    d.open(1, args);
+    let ask = DraftAsk {
+        session: 1,
+        new_tokens: &[],
+        n: 16,
+        donors: None,
+    };
+    d.blocks(&[ask]).unwrap().pop().unwrap().expect("a block")
 }
 
 /// Runs a case at the fixture's confidence threshold, or at `threshold` (0: whole blocks).
@@ -297,25 +319,7 @@ fn q8_linears_stay_close_to_the_reference() {
     };
     let mut d = DFlash::new(WeightsSource::Path(fixtures().join(name)), options).unwrap();
     d.accept_target(&target()).unwrap();
-    let rounds = case.meta["rounds"].as_array().unwrap();
-    let mut prompt = ids(&case.meta["prompt"]);
-    prompt.push(rounds[0]["anchor"].as_u64().unwrap() as u32);
-    let open_taps = case.taps("open");
-    let sampling = SamplingSpec::greedy();
-    let taps = Taps::from_f32(0, case.rows("open"), &open_taps, None, &[]);
-    let args = OpenArgs {
-        prompt: &prompt,
-        sampling: &sampling,
-        taps: Some(taps),
-    };
-    d.open(1, args);
-    let ask = DraftAsk {
-        session: 1,
-        new_tokens: &[],
-        n: 16,
-        donors: None,
-    };
-    let block = d.blocks(&[ask]).unwrap().pop().unwrap().expect("a block");
+    let block = first_block(&mut d, &case, &SamplingSpec::greedy());
     let want = &case.tensors["round0.logits"];
     let range = want
         .abs()
@@ -372,28 +376,12 @@ fn a_draft_vocabulary_drafts_the_subsets_argmax_and_samples_within_it() {
             let source = WeightsSource::Path(dir.path().to_path_buf());
             let mut d = DFlash::new(source, options).unwrap();
             d.accept_target(&target()).unwrap();
-            let mut prompt = ids(&case.meta["prompt"]);
-            prompt.push(round["anchor"].as_u64().unwrap() as u32);
-            let open = case.taps("open");
             let sampling = SamplingSpec {
                 temperature,
                 seed: Some(5),
                 ..SamplingSpec::greedy()
             };
-            let taps = Taps::from_f32(0, case.rows("open"), &open, None, &[]);
-            let args = OpenArgs {
-                prompt: &prompt,
-                sampling: &sampling,
-                taps: Some(taps),
-            };
-            d.open(1, args);
-            let ask = DraftAsk {
-                session: 1,
-                new_tokens: &[],
-                n: 16,
-                donors: None,
-            };
-            let block = d.blocks(&[ask]).unwrap().pop().unwrap().expect("a block");
+            let block = first_block(&mut d, &case, &sampling);
             let index = Tensor::new(subset.as_slice(), &Device::Cpu).unwrap();
             let rows = block.logits.dims()[0];
             let columns = want
@@ -468,24 +456,7 @@ fn a_cut_known_before_drafting_proposes_the_uncut_blocks_prefix() {
         };
         let mut d = DFlash::new(WeightsSource::Path(dir.path().to_path_buf()), options).unwrap();
         d.accept_target(&target()).unwrap();
-        let mut prompt = ids(&case.meta["prompt"]);
-        prompt.push(case.meta["rounds"][0]["anchor"].as_u64().unwrap() as u32);
-        let open = case.taps("open");
-        let sampling = SamplingSpec::greedy();
-        let taps = Taps::from_f32(0, case.rows("open"), &open, None, &[]);
-        let args = OpenArgs {
-            prompt: &prompt,
-            sampling: &sampling,
-            taps: Some(taps),
-        };
-        d.open(1, args);
-        let ask = DraftAsk {
-            session: 1,
-            new_tokens: &[],
-            n: 16,
-            donors: None,
-        };
-        d.blocks(&[ask]).unwrap().pop().unwrap().expect("a block")
+        first_block(&mut d, &case, &SamplingSpec::greedy())
     };
     let whole = block_at(0.0);
     let conf = whole.confidence.clone().expect("confidences");
