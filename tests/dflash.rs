@@ -12,9 +12,10 @@
 //!   undisturbed drafter proposes. The respawn after a kill runs the real processes
 //!   (`chaos::dflash_respawn_*`).
 
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use dflash::{DFlash, Options, WeightsSource};
+use dflash::{DFlash, Options, VocabChoice, WeightsSource};
 use ngram::{NgramConfig, NgramDrafter};
 use specula_models::chat::{ChatMessage, GenerationPrompt};
 use specula_models::loader::{load, LoadOptions, LoadedModel};
@@ -196,7 +197,7 @@ impl Proposer for Recording {
 /// (drafted, accepted).
 fn histograms(
     loaded: &LoadedModel,
-    drafter: Option<&str>,
+    drafter: Option<&Path>,
     runs: u64,
 ) -> (Vec<Vec<usize>>, Vec<usize>, (usize, usize)) {
     const PROMPT: [u32; 5] = [11, 12, 13, 40, 7];
@@ -208,9 +209,13 @@ fn histograms(
     let mut totals = (0, 0);
     for seed in 0..runs {
         let rounds = Arc::new(Mutex::new(Vec::new()));
-        let proposer: Option<Box<dyn Proposer>> = drafter.map(|name| {
-            let dir = workspace_root().join("tests/fixtures/dflash").join(name);
-            let mut d = DFlash::new(WeightsSource::Path(dir), Options::default()).expect("config");
+        let proposer: Option<Box<dyn Proposer>> = drafter.map(|dir| {
+            let options = Options {
+                draft_vocab: VocabChoice::Shipped,
+                ..Options::default()
+            };
+            let source = WeightsSource::Path(dir.to_path_buf());
+            let mut d = DFlash::new(source, options).expect("config");
             d.load(&info)
                 .expect("the fixture drafter fits the fixture target");
             Box::new(Recording::new(Box::new(InProcess::new(d)), 0, &rounds)) as Box<dyn Proposer>
@@ -264,8 +269,25 @@ fn sampled_dflash_and_dspark_keep_the_target_distribution() {
     let (_dir, loaded) = fixture_target();
     let runs = 2000;
     let (plain, _, _) = histograms(&loaded, None, runs);
-    for drafter in ["dflash", "dspark_gated_conf"] {
-        let (spec, firsts, (drafted, accepted)) = histograms(&loaded, Some(drafter), runs);
+    let fixtures = workspace_root().join("tests/fixtures/dflash");
+    // DFlash over a draft vocabulary: the 96 ids of the fixture vocabulary other than each
+    // fourth, so q is zero on a quarter of the ids the target samples.
+    let subset = tempfile::tempdir().expect("temp dir");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixtures.join("dflash").join(f), subset.path().join(f)).expect("copy");
+    }
+    let ids: Vec<u32> = (0..128).filter(|i| i % 4 != 0).collect();
+    let list =
+        serde_json::json!({"format": "specula-draft-vocab/1", "vocab_size": 128, "ids": ids});
+    std::fs::write(subset.path().join("draft_vocab.json"), list.to_string()).expect("write");
+    let drafters = [
+        fixtures.join("dflash"),
+        fixtures.join("dspark_gated_conf"),
+        subset.path().to_path_buf(),
+    ];
+    for dir in &drafters {
+        let drafter = dir.display();
+        let (spec, firsts, (drafted, accepted)) = histograms(&loaded, Some(dir), runs);
         for (i, (p, s)) in plain.iter().zip(&spec).enumerate() {
             let (stat, df) = chi_square(p, s);
             assert!(
@@ -578,5 +600,134 @@ fn torn_taps_are_dropped_and_drafting_recovers() {
         "after the fault {same} of {} rounds had the undisturbed acceptance ({now} vs {before} \
          accepted):\n{torn:?}\nclean: {clean:?}",
         pairs.len()
+    );
+}
+
+/// A hot swap through the admin API with real processes, mid-request: a server drafting with
+/// the DFlash process streams a long greedy answer while the drafter is swapped to ngram and
+/// back to a new DFlash process. The text equals plain decoding, the new DFlash process is
+/// opened with the taps of every position before the pending one, and from its first round it
+/// drafts exactly what an undisturbed DFlash drafted at the same positions (the same request
+/// run before on the first process), so acceptance is back to full at once.
+#[test]
+fn admin_api_swap_to_and_from_dflash_mid_request() {
+    use super::chaos::{drafts_without_holes, DrafterEvent};
+    use super::server::{chat_body, generate_chat, send, wait_until, Server, ADMIN_TOKEN};
+    use serde_json::json;
+    use std::io::Read;
+    use std::time::Duration;
+
+    let question = "List the numbers from 1 to 100, separated by commas.";
+    let tokens = 160;
+    let plain = generate_chat(question, tokens, &["--no-speculation"]);
+    let plain = plain["text"].as_str().expect("text");
+    let dflash = bin_path("dflash");
+    let ngram = bin_path("ngram");
+    let bin_dir = dflash.parent().expect("bin dir").to_str().expect("utf-8");
+    let srv = Server::start_env(
+        &[
+            "--drafter",
+            dflash.to_str().expect("utf-8"),
+            "--num-draft-tokens",
+            "4",
+            "--fixed-draft",
+            "--draft-deadline-ms",
+            "10000",
+            "--drafter-dir",
+            bin_dir,
+        ],
+        &[
+            ("SPECULA_ADMIN_TOKEN", ADMIN_TOKEN),
+            ("RUST_LOG", "info,dflash=debug"),
+            ("NO_COLOR", "1"),
+        ],
+    );
+    let events =
+        |log: &str| -> Vec<DrafterEvent> { log.lines().filter_map(DrafterEvent::parse).collect() };
+    // The undisturbed run, on the first DFlash process.
+    let clean = srv.post("/v1/chat/completions", &chat_body(question, tokens));
+    assert_eq!(clean.status, 200, "{}", clean.text());
+    let text = clean.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content")
+        .to_string();
+    assert_eq!(text, plain, "dflash changed the output");
+    let before = events(&srv.log());
+    let first_pid = before.first().expect("the drafter logged its rounds").pid;
+    let clean_drafts = drafts_without_holes(&before.iter().collect::<Vec<_>>());
+    assert!(!clean_drafts.is_empty(), "the clean run drafted nothing");
+
+    // The same request streamed, swapped dflash → ngram → dflash while it runs.
+    let mut body = chat_body(question, tokens);
+    body["stream"] = json!(true);
+    let s = send(
+        &srv.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        body.to_string().as_bytes(),
+    );
+    let stream = std::thread::spawn(move || {
+        let mut raw = String::new();
+        std::io::BufReader::new(s)
+            .read_to_string(&mut raw)
+            .expect("read the stream");
+        raw
+    });
+    wait_until("the stream to start", Duration::from_secs(60), || {
+        srv.get("/health").json()["queue_depth"] == 1
+    });
+    for path in [&ngram, &dflash] {
+        std::thread::sleep(Duration::from_millis(300));
+        let body = json!({"path": path});
+        let r = srv.admin("POST", "/admin/drafters", Some(&body));
+        assert!(
+            r.status < 300,
+            "swap to {}: {} {}",
+            path.display(),
+            r.status,
+            r.text()
+        );
+    }
+    assert_eq!(
+        srv.get("/health").json()["queue_depth"],
+        1,
+        "the swaps happened mid-stream"
+    );
+    let raw = stream.join().expect("stream thread");
+    let text: String = super::server::sse_data(&raw)
+        .iter()
+        .filter(|e| e.as_str() != "[DONE]")
+        .filter_map(|e| {
+            let v: serde_json::Value = serde_json::from_str(e).expect("an SSE chunk");
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    assert_eq!(text, plain, "the swaps changed the output\n{}", srv.log());
+
+    let all = events(&srv.log());
+    let after: Vec<&DrafterEvent> = all.iter().filter(|e| e.pid != first_pid).collect();
+    let open = after
+        .iter()
+        .find(|e| e.event == "open")
+        .unwrap_or_else(|| panic!("the new dflash process was never opened:\n{}", srv.log()));
+    assert_eq!(
+        (open.num("rows"), open.num("missing")),
+        (open.num("pos"), 0),
+        "the re-open carries the taps of every position before the pending one: {open:?}"
+    );
+    let new_drafts = drafts_without_holes(&after);
+    let compared: Vec<_> = new_drafts
+        .iter()
+        .filter_map(|(pos, t)| {
+            let clean = clean_drafts.iter().find(|(p, _)| p == pos)?;
+            Some((*pos, *t == clean.1))
+        })
+        .collect();
+    assert!(
+        compared.len() >= 2 && compared.iter().all(|(_, same)| *same),
+        "after the swap back: {compared:?}\nnew {new_drafts:?}\nclean {clean_drafts:?}"
     );
 }

@@ -18,7 +18,7 @@ pub(crate) struct Server {
 }
 
 /// The admin token the tests configure (through the environment, as an operator would).
-const ADMIN_TOKEN: &str = "admin-s3cret";
+pub(crate) const ADMIN_TOKEN: &str = "admin-s3cret";
 
 impl Server {
     pub(crate) fn start(extra: &[&str]) -> Server {
@@ -35,7 +35,7 @@ impl Server {
         Server::start_env(extra, &[("SPECULA_ADMIN_TOKEN", ADMIN_TOKEN)])
     }
 
-    fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
+    pub(crate) fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
         Server::start_with("smollm2-135m", extra, env)
     }
 
@@ -91,7 +91,7 @@ impl Server {
     }
 
     /// An admin API call with the test admin token.
-    fn admin(&self, method: &str, path: &str, body: Option<&Value>) -> Response {
+    pub(crate) fn admin(&self, method: &str, path: &str, body: Option<&Value>) -> Response {
         let auth = format!("Bearer {ADMIN_TOKEN}");
         let b = body.map(Value::to_string).unwrap_or_default();
         request(
@@ -103,7 +103,7 @@ impl Server {
         )
     }
 
-    fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         self.log.lock().unwrap().clone()
     }
 }
@@ -147,7 +147,13 @@ impl Response {
 
 /// Sends a request; `Content-Type: application/json` unless `headers` name a content type (an
 /// empty value: none at all).
-fn send(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> TcpStream {
+pub(crate) fn send(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> TcpStream {
     let mut s = TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
     s.write_all(head(addr, method, path, headers, body.len()).as_bytes())
@@ -230,12 +236,12 @@ pub(crate) fn sse_data(body: &str) -> Vec<String> {
         .collect()
 }
 
-fn chat_body(content: &str, max_tokens: u32) -> Value {
+pub(crate) fn chat_body(content: &str, max_tokens: u32) -> Value {
     json!({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0})
 }
 
 /// What `target-host generate --chat` prints for the same greedy request.
-fn generate_chat(content: &str, max_tokens: u32, extra: &[&str]) -> Value {
+pub(crate) fn generate_chat(content: &str, max_tokens: u32, extra: &[&str]) -> Value {
     let model = specula_tests::model_path("smollm2-135m");
     let out = Command::new(specula_tests::bin_path("target-host"))
         .arg("generate")
@@ -594,7 +600,7 @@ fn parse_metrics(text: &str) -> Vec<prometheus_parse::Sample> {
     scrape.samples
 }
 
-fn wait_until(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) {
+pub(crate) fn wait_until(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) {
     let start = Instant::now();
     while !ok() {
         assert!(start.elapsed() < timeout, "timed out waiting for {what}");

@@ -80,9 +80,14 @@ pub struct Config {
     /// Where a Specula drafter runs.
     #[serde(default)]
     pub placement: Placement,
-    /// Drafts per round.
+    /// Drafts per round (with `controller`: the most per round).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub k: Option<usize>,
+    /// The engine's speculation controller chooses each round's k, 0 included, up to `k`
+    /// (`Speculation::Adaptive`, what `target-host serve` runs by default); otherwise every
+    /// round drafts `k`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub controller: bool,
     /// The draft model (a `scripts/fetch-model` name or a path) for draft-model drafters.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub draft_model: Option<String>,
@@ -132,7 +137,8 @@ impl Config {
             (Engine::Specula, _, Placement::InProcess) => " (in-process)",
             _ => "",
         };
-        format!("{engine} {drafter}{place}")
+        let controller = if self.controller { " controller" } else { "" };
+        format!("{engine} {drafter}{place}{controller}")
     }
 
     fn validate(&self) -> Result<()> {
@@ -174,6 +180,9 @@ impl Config {
             (true, Some(0)) => bail!("\"k\" must be at least 1"),
             (false, Some(_)) => bail!("\"k\" without a drafter"),
             _ => {}
+        }
+        if self.controller && (self.engine != E::Specula || !self.speculates()) {
+            bail!("\"controller\" is for a Specula configuration with a drafter");
         }
         if let Some(b) = self.budget_s {
             if !(b > 0.0 && b.is_finite()) {
@@ -429,6 +438,14 @@ mod tests {
                 r#"{"name":"a","engine":"specula","drafter":"dspark","k":4,"placement":"in-process"}"#,
                 "only the ngram",
             ),
+            (
+                r#"{"name":"a","engine":"specula","controller":true}"#,
+                "\"controller\" is for",
+            ),
+            (
+                r#"{"name":"a","engine":"llama-cpp","drafter":"prompt-lookup","k":2,"controller":true}"#,
+                "\"controller\" is for",
+            ),
         ];
         for (json, want) in bad {
             let err = format!("{:#}", config(json).validate().unwrap_err());
@@ -439,6 +456,10 @@ mod tests {
         )
         .validate()
         .unwrap();
+        let adaptive =
+            config(r#"{"name":"a","engine":"specula","drafter":"ngram","k":4,"controller":true}"#);
+        adaptive.validate().unwrap();
+        assert_eq!(adaptive.family(), "specula ngram (process) controller");
     }
 
     #[test]

@@ -221,6 +221,9 @@ fn prompt_ids(loaded: &LoadedModel, item: &Item) -> Result<Vec<u32>> {
 
 fn speculation(config: &Config) -> Speculation {
     match config.k {
+        Some(k) if config.speculates() && config.controller => Speculation::Adaptive {
+            max_draft_tokens: k,
+        },
         Some(k) if config.speculates() => Speculation::On {
             num_draft_tokens: k,
         },

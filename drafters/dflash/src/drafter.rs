@@ -23,7 +23,8 @@ use crate::config::{DraftConfig, Kind};
 use crate::heads::Heads;
 use crate::model::{argmax_rows, Backbone, BlockAsk, Context};
 use crate::sampling::{probs, sample};
-use crate::tensors::Tensors;
+use crate::tensors::{LinearDType, Tensors};
+use crate::vocab::{self, VocabChoice};
 use crate::weights::WeightsSource;
 use crate::Error;
 
@@ -53,8 +54,10 @@ pub struct Options {
     pub block_size: Option<usize>,
     /// DSpark: cut the block at the first slot whose confidence is below this (0: never).
     pub confidence_threshold: f32,
-    /// Requantize the drafter's own projections to Q8_0 (`--linear-dtype q8_0`).
-    pub q8_linears: bool,
+    /// How the drafter's own projections are stored (`--linear-dtype`).
+    pub linear_dtype: LinearDType,
+    /// The ids drafts are computed over (`--draft-vocab`; [`crate::vocab`]).
+    pub draft_vocab: VocabChoice,
 }
 
 impl Default for Options {
@@ -62,7 +65,8 @@ impl Default for Options {
         Options {
             block_size: None,
             confidence_threshold: 0.0,
-            q8_linears: false,
+            linear_dtype: LinearDType::Stored,
+            draft_vocab: VocabChoice::Full,
         }
     }
 }
@@ -71,7 +75,10 @@ impl Default for Options {
 /// copies; they are used only when they differ from the target's).
 struct Io {
     embedding: Embedding,
+    /// The draft head: the lm_head's rows of the draft vocabulary (all rows without one).
     lm_head: Linear,
+    /// Draft-head row → vocabulary id, with a draft vocabulary.
+    d2t: Option<Vec<u32>>,
 }
 
 /// A loaded drafter: weights plus everything fixed for one target.
@@ -80,8 +87,9 @@ struct Loaded {
     backbone: Backbone,
     heads: Option<Heads>,
     io: Io,
-    /// `[1, hidden]`: the MASK slot's embedding (the target's row or `mask_embedding`).
-    mask_row: Tensor,
+    /// `[B − 1, hidden]`: the block's MASK slots, embedded (the target's row or
+    /// `mask_embedding`) and scaled once at load: every round reuses them.
+    masks: Tensor,
     block: usize,
     sources: Vec<Source>,
     caps: Capabilities,
@@ -110,7 +118,8 @@ struct Session {
 pub struct Block {
     /// The drafted ids.
     pub tokens: Vec<u32>,
-    /// Their logits `[tokens, vocab]` (DSpark: after the Markov correction).
+    /// Their logits `[tokens, draft vocab]`: over the whole vocabulary, or the draft
+    /// vocabulary's ids in its order (DSpark: after the Markov correction).
     pub logits: Tensor,
     /// DSpark: `σ(c_k)` per drafted id.
     pub confidence: Option<Vec<f32>>,
@@ -163,23 +172,25 @@ impl DFlash {
         let config = DraftConfig::from_file(&dir.join("config.json"))?;
         check_target(&config, target)?;
         let tensors = Tensors::read(&dir.join("model.safetensors"), &self.device)?
-            .with_q8(self.options.q8_linears);
+            .with_linears(self.options.linear_dtype);
         let parts = TargetParts::open(target.weights_path.as_ref(), &self.device)
             .map_err(|e| Error::Target(format!("cannot read the target's weights: {e}")))?;
         let block = block_size(&config, &self.options)?;
         let (sources, caps) = plan(&config, target.num_layers as usize, block);
         let max_pos = target.context_len as usize + block + 1;
         let backbone = Backbone::load(&config, &tensors, max_pos)?;
+        let d2t = vocab::resolve(&dir, self.options.draft_vocab, config.vocab_size)?;
         let heads = match &config.dspark {
             Some(h) => Some(Heads::load(
                 h,
                 &tensors,
                 config.hidden_size,
                 config.vocab_size,
+                d2t.as_deref(),
             )?),
             None => None,
         };
-        let io = io_parts(&config, &tensors, parts)?;
+        let io = io_parts(&config, &tensors, parts, d2t)?;
         let mask_row = match config.mask_token_id {
             Some(id) => io
                 .embedding
@@ -190,11 +201,14 @@ impl DFlash {
                 .reshape((1, config.hidden_size))
                 .map_err(err)?,
         };
+        let masks = (mask_row.repeat((block - 1, 1)).map_err(err)? * config.input_embedding_scale)
+            .map_err(err)?;
         info!(
             kind = ?config.kind,
             weights = %dir.display(),
             block,
             taps = ?config.target_layer_ids,
+            draft_vocab = io.d2t.as_ref().map_or(config.vocab_size, Vec::len),
             "drafter loaded"
         );
         self.loaded = Some(Loaded {
@@ -202,7 +216,7 @@ impl DFlash {
             backbone,
             heads,
             io,
-            mask_row,
+            masks,
             block,
             sources,
             caps,
@@ -236,10 +250,9 @@ impl DFlash {
             if ask.n == 0 || s.pos + m.block > m.max_pos || s.context.rows() == 0 || s.resync {
                 continue;
             }
-            let anchor = m.io.embedding.forward(&[s.anchor]).map_err(err)?;
-            let masks = m.mask_row.repeat((m.block - 1, 1)).map_err(err)?;
-            let embeddings =
-                (Tensor::cat(&[&anchor, &masks], 0).map_err(err)? * scale).map_err(err)?;
+            let anchor =
+                (m.io.embedding.forward(&[s.anchor]).map_err(err)? * scale).map_err(err)?;
+            let embeddings = Tensor::cat(&[&anchor, &m.masks], 0).map_err(err)?;
             inputs.push(BlockAsk {
                 context: &s.context,
                 embeddings,
@@ -405,8 +418,14 @@ fn check_target(config: &DraftConfig, target: &TargetInfo) -> Result<(), Error> 
     Ok(())
 }
 
-/// The target's embedding and lm_head, or the checkpoint's own copies when they differ.
-fn io_parts(config: &DraftConfig, tensors: &Tensors, parts: TargetParts) -> Result<Io, Error> {
+/// The target's embedding and lm_head, or the checkpoint's own copies when they differ; the
+/// head restricted to the draft vocabulary `d2t` when there is one.
+fn io_parts(
+    config: &DraftConfig,
+    tensors: &Tensors,
+    parts: TargetParts,
+    d2t: Option<Vec<u32>>,
+) -> Result<Io, Error> {
     let dims = [config.vocab_size, config.hidden_size];
     let same = |name: &str, target: Result<Option<String>, _>| -> Result<Option<Tensor>, Error> {
         if !tensors.contains(name) {
@@ -429,15 +448,20 @@ fn io_parts(config: &DraftConfig, tensors: &Tensors, parts: TargetParts) -> Resu
     };
     let own_embed = same("embed_tokens.weight", parts.embedding_digest())?;
     let own_head = same("lm_head.weight", parts.lm_head_digest())?;
+    let lm_head = match own_head {
+        Some(t) => Linear::dense(t, None).map_err(err)?,
+        None => parts.lm_head,
+    };
     Ok(Io {
         embedding: match own_embed {
             Some(t) => Embedding::Dense(t),
             None => parts.embedding,
         },
-        lm_head: match own_head {
-            Some(t) => Linear::dense(t, None).map_err(err)?,
-            None => parts.lm_head,
+        lm_head: match &d2t {
+            Some(ids) => vocab::select_rows(&lm_head, ids)?,
+            None => lm_head,
         },
+        d2t,
     })
 }
 
@@ -587,7 +611,7 @@ impl Loaded {
                 let rows = h.narrow(0, 1, n).map_err(err)?;
                 let logits = self.draft_logits(&rows)?;
                 let (tokens, q) = match temperature > 0.0 {
-                    false => (argmax_rows(&logits)?, None),
+                    false => (self.to_vocab(argmax_rows(&logits)?), None),
                     true => {
                         let rows: Vec<Vec<f32>> = logits.to_vec2().map_err(err)?;
                         let q: Vec<Vec<f32>> = rows
@@ -595,7 +619,8 @@ impl Loaded {
                             .map(|r| probs(r, temperature, s.sampling.top_p, s.sampling.top_k))
                             .collect();
                         let tokens = q.iter().map(|p| sample(p, &mut s.rng)).collect();
-                        (tokens, Some(q))
+                        let q = q.into_iter().map(|p| self.full_q(p)).collect();
+                        (self.to_vocab(tokens), Some(q))
                     }
                 };
                 Ok(Block {
@@ -607,40 +632,50 @@ impl Loaded {
             }
             Kind::DSpark => {
                 // Slot k (row k, the anchor's included) predicts the token at anchor + k + 1.
-                let rows = h.narrow(0, 0, n).map_err(err)?;
-                // One multi-row lm_head for every slot (bit-identical to row by row, and about
-                // the cost of one row: the 49k-row head is read once), even though a
-                // confidence cut may leave the last rows unused.
-                let all = self.draft_logits(&rows)?;
-                let base = |k: usize| all.narrow(0, k, 1).map_err(err);
                 let heads = self
                     .heads
                     .as_ref()
                     .expect("invariant: DSpark loads its heads");
+                let rows = h.narrow(0, 0, n).map_err(err)?;
+                // A cut known before drafting spares the lm_head rows after it.
+                let width = self.io.d2t.as_ref().map_or(c.vocab_size, Vec::len);
+                let rows = match heads.cut_before_drafting(&rows, self.threshold)? {
+                    // ℓ = 0: skip drafting this round (the host runs a plain step).
+                    Some(0) => {
+                        return Ok(Block {
+                            tokens: Vec::new(),
+                            logits: Tensor::zeros((0, width), candle_core::DType::F32, h.device())
+                                .map_err(err)?,
+                            confidence: Some(Vec::new()),
+                            q: (temperature > 0.0).then(Vec::new),
+                        })
+                    }
+                    Some(len) => rows.narrow(0, 0, len).map_err(err)?,
+                    None => rows,
+                };
+                // One multi-row lm_head for every slot (bit-identical to row by row, and about
+                // the cost of one row: the head is read once), even though a confidence cut
+                // that depends on the drafts may leave the last rows unused.
+                let all = self.draft_logits(&rows)?;
+                let base = |k: usize| all.narrow(0, k, 1).map_err(err);
                 let mut q_rows = Vec::new();
                 let rng = &mut s.rng;
                 let mut pick = |z: &Tensor| -> Result<u32, Error> {
-                    match temperature > 0.0 {
-                        false => Ok(argmax_rows(z)?[0]),
+                    let row = match temperature > 0.0 {
+                        false => argmax_rows(z)?[0],
                         true => {
                             let row: Vec<f32> =
                                 z.flatten_all().and_then(|z| z.to_vec1()).map_err(err)?;
                             // DeepSpec logits_to_probs: softmax(z / T), no top-p/top-k.
                             let p = probs(&row, temperature, 1.0, None);
                             let id = sample(&p, rng);
-                            q_rows.push(p);
-                            Ok(id)
+                            q_rows.push(self.full_q(p));
+                            id
                         }
-                    }
+                    };
+                    Ok(self.to_vocab(vec![row])[0])
                 };
-                let out = heads.run(
-                    &rows,
-                    &base,
-                    s.anchor,
-                    self.threshold,
-                    c.vocab_size,
-                    &mut pick,
-                )?;
+                let out = heads.run(&rows, &base, s.anchor, self.threshold, width, &mut pick)?;
                 let block = Block {
                     tokens: out.tokens,
                     logits: out.logits,
@@ -652,7 +687,33 @@ impl Loaded {
         }
     }
 
-    /// `lm_head(rows)`, times `output_multiplier`, softcapped (`DFlashDraftModel.compute_logits`).
+    /// Draft-head rows → vocabulary ids.
+    fn to_vocab(&self, mut rows: Vec<u32>) -> Vec<u32> {
+        if let Some(d2t) = &self.io.d2t {
+            for r in &mut rows {
+                *r = d2t[*r as usize];
+            }
+        }
+        rows
+    }
+
+    /// A distribution over the draft head's rows as one over the vocabulary (zero outside the
+    /// draft vocabulary): what the host's rejection sampler needs.
+    fn full_q(&self, p: Vec<f32>) -> Vec<f32> {
+        match &self.io.d2t {
+            None => p,
+            Some(d2t) => {
+                let mut full = vec![0.0; self.config.vocab_size];
+                for (&id, x) in d2t.iter().zip(p) {
+                    full[id as usize] = x;
+                }
+                full
+            }
+        }
+    }
+
+    /// `lm_head(rows)` over the draft vocabulary, times `output_multiplier`, softcapped
+    /// (`DFlashDraftModel.compute_logits`).
     fn draft_logits(&self, rows: &Tensor) -> Result<Tensor, Error> {
         let mut logits = self.io.lm_head.forward(rows).map_err(err)?;
         let c = &self.config;

@@ -26,7 +26,7 @@ struct Markov {
     rank: usize,
     /// `markov_w1` `[vocab, rank]`.
     w1: Tensor,
-    /// `markov_w2` `[vocab, rank]` (a Linear rank → vocab).
+    /// `markov_w2` `[vocab, rank]` (a Linear rank → vocab), or its draft-vocabulary rows.
     w2: Linear,
     /// `gate_proj` (gated) or `joint_proj` (rnn).
     proj: Option<Linear>,
@@ -50,7 +50,8 @@ pub struct HeadsOutput {
 }
 
 impl Heads {
-    /// Loads the heads the config names.
+    /// Loads the heads the config names; with a draft vocabulary `d2t` the Markov bias is
+    /// computed for its ids only (the columns of the restricted lm_head it is added to).
     ///
     /// # Errors
     /// [`Error::Weights`] for a missing or misshapen tensor.
@@ -59,6 +60,7 @@ impl Heads {
         t: &Tensors,
         hidden: usize,
         vocab: usize,
+        d2t: Option<&[u32]>,
     ) -> Result<Self, Error> {
         let markov = match heads.markov {
             None => None,
@@ -66,7 +68,13 @@ impl Heads {
                 kind,
                 rank,
                 w1: t.get("markov_head.markov_w1.weight", &[vocab, rank])?,
-                w2: t.linear("markov_head.markov_w2", vocab, rank, false)?,
+                w2: {
+                    let w2 = t.linear("markov_head.markov_w2", vocab, rank, false)?;
+                    match d2t {
+                        Some(ids) => crate::vocab::select_rows(&w2, ids)?,
+                        None => w2,
+                    }
+                },
                 proj: match kind {
                     MarkovHead::Vanilla => None,
                     MarkovHead::Gated => {
@@ -99,6 +107,28 @@ impl Heads {
     /// Whether there is a confidence head.
     pub fn has_confidence(&self) -> bool {
         self.confidence.is_some()
+    }
+
+    /// Where a confidence cut at `cut_below` ends the block of hiddens `h` `[B, hidden]`, when
+    /// that is known before any draft: a confidence head that reads the hidden state alone
+    /// (its input has no Markov embedding of the previous draft). Then only the rows before
+    /// the cut need lm_head logits. `None`: no cut, or one that depends on the drafts.
+    ///
+    /// # Errors
+    /// [`Error::Forward`] on a shape mismatch.
+    pub fn cut_before_drafting(&self, h: &Tensor, cut_below: f32) -> Result<Option<usize>, Error> {
+        let Some((ConfidenceInput::Hidden, proj)) = &self.confidence else {
+            return Ok(None);
+        };
+        if cut_below <= 0.0 {
+            return Ok(None);
+        }
+        // One multi-row call: bit-identical to `run`'s row-by-row confidences.
+        let c = candle_nn::ops::sigmoid(&proj.forward(h).map_err(err)?).map_err(err)?;
+        let c: Vec<f32> = c.flatten_all().and_then(|c| c.to_vec1()).map_err(err)?;
+        Ok(Some(
+            c.iter().position(|&c| c < cut_below).unwrap_or(c.len()),
+        ))
     }
 
     /// Runs the heads over the block, slot by slot: `h` `[B, hidden]` normed hiddens, `base(k)`

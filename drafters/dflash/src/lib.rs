@@ -9,8 +9,8 @@
 //!
 //! Modules: [`config`] (the references' `config.json`), [`tensors`] (the drafter's own file),
 //! [`model`] (the shared backbone and its context cache), [`heads`] (DSpark's Markov and
-//! confidence heads), [`sampling`], [`weights`] (finding the weights for a target) and
-//! [`drafter`] (sessions and the SDK's `Drafter`).
+//! confidence heads), [`sampling`], [`vocab`] (the draft vocabulary), [`weights`] (finding the
+//! weights for a target) and [`drafter`] (sessions and the SDK's `Drafter`).
 
 pub mod config;
 pub mod drafter;
@@ -18,11 +18,14 @@ pub mod heads;
 pub mod model;
 pub mod sampling;
 pub mod tensors;
+pub mod vocab;
 pub mod weights;
 
 use std::path::PathBuf;
 
 pub use drafter::{Block, DFlash, Options};
+pub use tensors::LinearDType;
+pub use vocab::VocabChoice;
 pub use weights::WeightsSource;
 
 /// Why the drafter cannot load or run.

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use dflash::weights::default_root;
-use dflash::{DFlash, Options, WeightsSource};
+use dflash::{DFlash, LinearDType, Options, VocabChoice, WeightsSource};
 
 /// Command line of the drafter.
 #[derive(Parser, Debug)]
@@ -31,10 +31,16 @@ struct Args {
     /// DSpark: cut each block at the first draft whose confidence is below this (0: never).
     #[arg(long, default_value_t = 0.0)]
     confidence_threshold: f32,
-    /// The drafter's own projections: `f32` (exact, the references' numerics) or `q8_0`
-    /// (requantized at load: fewer bytes per step; drafts may differ, output never does).
-    #[arg(long, default_value = "f32")]
-    linear_dtype: String,
+    /// The drafter's own projections: `stored` (the checkpoint's dtype, bf16 for the shipped
+    /// drafters), `f32`, or `q8_0` (requantized at load: fewer bytes per step; drafts may
+    /// differ, output never does).
+    #[arg(long, default_value = "stored")]
+    linear_dtype: LinearDType,
+    /// Draft over a subset of the vocabulary: `shipped` (the weights' `draft_vocab.json`, all
+    /// its ids, when there is one), N (its first N ids, the most frequent) or `off` (the whole
+    /// vocabulary). Output never changes; drafts are cheaper and may be accepted less often.
+    #[arg(long, default_value = "shipped")]
+    draft_vocab: VocabChoice,
 }
 
 fn main() -> ExitCode {
@@ -54,14 +60,6 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(2);
     }
-    let q8_linears = match args.linear_dtype.as_str() {
-        "f32" => false,
-        "q8_0" => true,
-        other => {
-            eprintln!("--linear-dtype must be f32 or q8_0, got {other:?}");
-            return ExitCode::from(2);
-        }
-    };
     let source = match args.weights {
         Some(dir) => WeightsSource::Path(dir),
         None => WeightsSource::Shipped {
@@ -72,7 +70,8 @@ fn main() -> ExitCode {
     let options = Options {
         block_size: args.block_size,
         confidence_threshold: args.confidence_threshold,
-        q8_linears,
+        linear_dtype: args.linear_dtype,
+        draft_vocab: args.draft_vocab,
     };
     match DFlash::new(source, options) {
         Ok(drafter) => specula_protocol::sdk::serve(drafter),

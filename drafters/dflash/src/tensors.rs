@@ -1,7 +1,9 @@
 //! The drafter's own tensors: a safetensors file read whole (drafters are small) and handed out
-//! by name as f32, with the shape checked and the file named in every error. Projections can be
-//! requantized to Q8_0 (`--linear-dtype q8_0`): a quarter of the bytes per step through the
-//! runtime's quantized kernels, at the cost of exact parity with the f32 reference.
+//! by name, with the shape checked and the file named in every error. Projections keep the
+//! checkpoint's dtype by default (the shipped drafters are bf16: half the bytes of f32 per step,
+//! the same values), or run in f32, or are requantized to Q8_0 (`--linear-dtype q8_0`): a
+//! quarter of the f32 bytes through the runtime's quantized kernels, at the cost of exact parity
+//! with the reference.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -14,11 +16,38 @@ use specula_models::layers::{Linear, RmsNorm};
 
 use crate::Error;
 
+/// How the drafter's projections are stored (`--linear-dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LinearDType {
+    /// As in the checkpoint (f32, f16 or bf16; other dtypes become f32).
+    #[default]
+    Stored,
+    /// f32.
+    F32,
+    /// Requantized to Q8_0 at load (those whose input width is a multiple of 32).
+    Q8_0,
+}
+
+impl std::str::FromStr for LinearDType {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "stored" => Ok(LinearDType::Stored),
+            "f32" => Ok(LinearDType::F32),
+            "q8_0" => Ok(LinearDType::Q8_0),
+            other => Err(format!(
+                "--linear-dtype must be stored, f32 or q8_0, got {other:?}"
+            )),
+        }
+    }
+}
+
 /// The tensors of one drafter file, by checkpoint name (a leading `model.` is dropped).
 pub struct Tensors {
     path: PathBuf,
     map: HashMap<String, Tensor>,
-    q8: bool,
+    linears: LinearDType,
 }
 
 impl Tensors {
@@ -38,14 +67,13 @@ impl Tensors {
         Ok(Tensors {
             path: path.to_path_buf(),
             map,
-            q8: false,
+            linears: LinearDType::Stored,
         })
     }
 
-    /// Hands out projections requantized to Q8_0 (those whose input width is a multiple of the
-    /// 32-weight block) when `on`.
-    pub fn with_q8(mut self, on: bool) -> Self {
-        self.q8 = on;
+    /// Hands out projections stored as `linears` says.
+    pub fn with_linears(mut self, linears: LinearDType) -> Self {
+        self.linears = linears;
         self
     }
 
@@ -71,6 +99,13 @@ impl Tensors {
     /// # Errors
     /// [`Error::Weights`] when it is absent or of another shape.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor, Error> {
+        self.stored(name, shape)?
+            .to_dtype(DType::F32)
+            .map_err(|e| self.bad(format!("tensor {name}: {e}")))
+    }
+
+    /// `name` in the checkpoint's dtype, checked to have `shape`.
+    fn stored(&self, name: &str, shape: &[usize]) -> Result<&Tensor, Error> {
         let t = self
             .map
             .get(name)
@@ -81,8 +116,7 @@ impl Tensors {
                 t.dims()
             )));
         }
-        t.to_dtype(DType::F32)
-            .map_err(|e| self.bad(format!("tensor {name}: {e}")))
+        Ok(t)
     }
 
     /// The projection `{prefix}.weight` `[out, in]`, with `{prefix}.bias` when `bias`.
@@ -96,18 +130,26 @@ impl Tensors {
         inp: usize,
         bias: bool,
     ) -> Result<Linear, Error> {
-        let w = self.get(&format!("{prefix}.weight"), &[out, inp])?;
+        let name = format!("{prefix}.weight");
         let b = match bias {
             true => Some(self.get(&format!("{prefix}.bias"), &[out])?),
             false => None,
         };
         let bad = |e: String| self.bad(format!("{prefix}: {e}"));
-        match self.q8 && inp.is_multiple_of(32) {
-            true => {
+        match self.linears {
+            LinearDType::Q8_0 if inp.is_multiple_of(32) => {
+                let w = self.get(&name, &[out, inp])?;
                 let q = QTensor::quantize(&w, GgmlDType::Q8_0).map_err(|e| bad(e.to_string()))?;
                 Linear::quantized(Arc::new(q), b).map_err(|e| bad(e.to_string()))
             }
-            false => Linear::dense(w, b).map_err(|e| bad(e.to_string())),
+            LinearDType::Stored => {
+                let w = self.stored(&name, &[out, inp])?.clone();
+                Linear::dense(w, b).map_err(|e| bad(e.to_string()))
+            }
+            _ => {
+                let w = self.get(&name, &[out, inp])?;
+                Linear::dense(w, b).map_err(|e| bad(e.to_string()))
+            }
         }
     }
 

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use dflash::{DFlash, Options, WeightsSource};
+use dflash::{Block, DFlash, LinearDType, Options, VocabChoice, WeightsSource};
 use serde_json::Value;
 use specula_protocol::sdk::{AdvanceArgs, CommitArgs, DraftAsk, Drafter, OpenArgs, Taps};
 use specula_protocol::wire::{SamplingSpec, TargetInfo};
@@ -91,6 +91,28 @@ fn ids(v: &Value) -> Vec<u32> {
         .iter()
         .map(|x| x.as_u64().unwrap() as u32)
         .collect()
+}
+
+/// The first round of `case` on `d`: session 1 opened on the prompt with the `open` taps and
+/// `sampling`, one block of up to 16 drafts.
+fn first_block(d: &mut DFlash, case: &Case, sampling: &SamplingSpec) -> Block {
+    let mut prompt = ids(&case.meta["prompt"]);
+    prompt.push(case.meta["rounds"][0]["anchor"].as_u64().unwrap() as u32);
+    let open = case.taps("open");
+    let taps = Taps::from_f32(0, case.rows("open"), &open, None, &[]);
+    let args = OpenArgs {
+        prompt: &prompt,
+        sampling,
+        taps: Some(taps),
+    };
+    d.open(1, args);
+    let ask = DraftAsk {
+        session: 1,
+        new_tokens: &[],
+        n: 16,
+        donors: None,
+    };
+    d.blocks(&[ask]).unwrap().pop().unwrap().expect("a block")
 }
 
 /// Runs a case at the fixture's confidence threshold, or at `threshold` (0: whole blocks).
@@ -292,30 +314,12 @@ fn q8_linears_stay_close_to_the_reference() {
     let name = "dflash";
     let case = Case::load(name);
     let options = Options {
-        q8_linears: true,
+        linear_dtype: LinearDType::Q8_0,
         ..Options::default()
     };
     let mut d = DFlash::new(WeightsSource::Path(fixtures().join(name)), options).unwrap();
     d.accept_target(&target()).unwrap();
-    let rounds = case.meta["rounds"].as_array().unwrap();
-    let mut prompt = ids(&case.meta["prompt"]);
-    prompt.push(rounds[0]["anchor"].as_u64().unwrap() as u32);
-    let open_taps = case.taps("open");
-    let sampling = SamplingSpec::greedy();
-    let taps = Taps::from_f32(0, case.rows("open"), &open_taps, None, &[]);
-    let args = OpenArgs {
-        prompt: &prompt,
-        sampling: &sampling,
-        taps: Some(taps),
-    };
-    d.open(1, args);
-    let ask = DraftAsk {
-        session: 1,
-        new_tokens: &[],
-        n: 16,
-        donors: None,
-    };
-    let block = d.blocks(&[ask]).unwrap().pop().unwrap().expect("a block");
+    let block = first_block(&mut d, &case, &SamplingSpec::greedy());
     let want = &case.tensors["round0.logits"];
     let range = want
         .abs()
@@ -330,4 +334,149 @@ fn q8_linears_stay_close_to_the_reference() {
         diff < 0.05 * range,
         "q8: logits differ by {diff} (range {range})"
     );
+}
+
+/// The fixture drafter `name` in a temporary folder with a draft vocabulary of `ids`.
+fn with_draft_vocab(name: &str, ids: &[u32]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixtures().join(name).join(f), dir.path().join(f)).unwrap();
+    }
+    let list =
+        serde_json::json!({"format": "specula-draft-vocab/1", "vocab_size": 128, "ids": ids});
+    std::fs::write(dir.path().join("draft_vocab.json"), list.to_string()).unwrap();
+    dir
+}
+
+/// With a draft vocabulary the first round's logits are the reference's columns at its ids (in
+/// its order), greedy drafts are the argmax among them, and sampled `q` rows are a distribution
+/// over the vocabulary that is zero outside them, the sampled id among them.
+#[test]
+fn a_draft_vocabulary_drafts_the_subsets_argmax_and_samples_within_it() {
+    for name in ["dflash", "dspark_rnn_conf"] {
+        let case = Case::load(name);
+        let round = &case.meta["rounds"][0];
+        let want = &case.tensors["round0.logits"];
+        // Odd ids, descending, plus the reference's drafts (DSpark chains each draft into the
+        // next, so its drafts must stay reachable for the chain to be the reference's).
+        let mut subset: Vec<u32> = (0..128).rev().filter(|i| i % 2 == 1).collect();
+        if name.starts_with("dspark") {
+            for id in ids(&round["drafts"]) {
+                if !subset.contains(&id) {
+                    subset.push(id);
+                }
+            }
+        }
+        let dir = with_draft_vocab(name, &subset);
+        for temperature in [0.0, 1.0] {
+            let options = Options {
+                draft_vocab: VocabChoice::Shipped,
+                ..Options::default()
+            };
+            let source = WeightsSource::Path(dir.path().to_path_buf());
+            let mut d = DFlash::new(source, options).unwrap();
+            d.accept_target(&target()).unwrap();
+            let sampling = SamplingSpec {
+                temperature,
+                seed: Some(5),
+                ..SamplingSpec::greedy()
+            };
+            let block = first_block(&mut d, &case, &sampling);
+            let index = Tensor::new(subset.as_slice(), &Device::Cpu).unwrap();
+            let rows = block.logits.dims()[0];
+            let columns = want
+                .narrow(0, 0, rows)
+                .unwrap()
+                .index_select(&index, 1)
+                .unwrap();
+            if temperature == 0.0 {
+                let diff = max_diff(&block.logits, &columns);
+                assert!(diff <= TOL, "{name}: logits differ by {diff}");
+                let argmax: Vec<u32> = columns.argmax(1).unwrap().to_vec1().unwrap();
+                let expect: Vec<u32> = argmax.iter().map(|&i| subset[i as usize]).collect();
+                assert_eq!(block.tokens, expect, "{name}: the subset's argmax");
+                if name.starts_with("dspark") {
+                    assert_eq!(block.tokens, ids(&round["drafts"]), "{name}: the chain");
+                }
+                assert!(block.q.is_none());
+                continue;
+            }
+            let q = block.q.as_ref().expect("q rows when sampled");
+            assert_eq!(q.len(), block.tokens.len());
+            for (row, &id) in q.iter().zip(&block.tokens) {
+                assert_eq!(row.len(), 128, "{name}: q over the whole vocabulary");
+                let sum: f32 = row.iter().sum();
+                assert!((sum - 1.0).abs() < 1e-4, "{name}: q sums to {sum}");
+                for (t, &p) in row.iter().enumerate() {
+                    assert!(p == 0.0 || subset.contains(&(t as u32)), "{name}: q[{t}]");
+                }
+                assert!(
+                    subset.contains(&id) && row[id as usize] > 0.0,
+                    "{name}: {id}"
+                );
+            }
+        }
+    }
+}
+
+/// A DSpark drafter whose confidence head reads the hidden state alone cuts its block before
+/// drafting (sparing the lm_head rows after the cut) and proposes exactly the prefix that the
+/// uncut block has before its first slot under the threshold. Made from the vanilla fixture
+/// by keeping the hidden-state columns of its confidence projection.
+#[test]
+fn a_cut_known_before_drafting_proposes_the_uncut_blocks_prefix() {
+    let name = "dspark_vanilla_conf";
+    let case = Case::load(name);
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixtures().join(name);
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config["confidence_head_with_markov"] = Value::Bool(false);
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    let mut tensors =
+        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    let key = tensors
+        .keys()
+        .find(|k| k.ends_with("confidence_head.proj.weight"))
+        .cloned()
+        .expect("a confidence projection");
+    let hidden = target().hidden_size as usize;
+    let w = tensors[&key]
+        .narrow(1, 0, hidden)
+        .unwrap()
+        .contiguous()
+        .unwrap();
+    tensors.insert(key, w);
+    candle_core::safetensors::save(&tensors, dir.path().join("model.safetensors")).unwrap();
+
+    let block_at = |threshold: f32| {
+        let options = Options {
+            confidence_threshold: threshold,
+            ..Options::default()
+        };
+        let mut d = DFlash::new(WeightsSource::Path(dir.path().to_path_buf()), options).unwrap();
+        d.accept_target(&target()).unwrap();
+        first_block(&mut d, &case, &SamplingSpec::greedy())
+    };
+    let whole = block_at(0.0);
+    let conf = whole.confidence.clone().expect("confidences");
+    assert!(conf.len() >= 3, "{conf:?}");
+    // Thresholds that cut after the first slot, in the middle, and before the first slot.
+    let mut sorted = conf.clone();
+    sorted.sort_by(f32::total_cmp);
+    for threshold in [sorted[sorted.len() / 2], conf[0] + 1e-3] {
+        let cut = conf
+            .iter()
+            .position(|&c| c < threshold)
+            .unwrap_or(conf.len());
+        let block = block_at(threshold);
+        assert_eq!(block.tokens, whole.tokens[..cut], "threshold {threshold}");
+        assert_eq!(block.confidence.as_deref(), Some(&conf[..cut]));
+        let want = whole.logits.narrow(0, 0, cut).unwrap();
+        assert_eq!(block.logits.dims(), want.dims());
+        assert!(
+            max_diff(&block.logits, &want) <= TOL,
+            "threshold {threshold}"
+        );
+    }
 }

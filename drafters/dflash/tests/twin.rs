@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use dflash::{DFlash, Options, WeightsSource};
+use dflash::{DFlash, LinearDType, Options, VocabChoice, WeightsSource};
 use serde_json::Value;
 use specula_models::{load_model, ForwardRequest, LoadOptions, Rows, TapId, WeightDType};
 use specula_protocol::sdk::{DraftAsk, Drafter, OpenArgs, Taps};
@@ -75,7 +75,8 @@ fn check(
     let options = Options {
         block_size: None,
         confidence_threshold: 0.0, // whole blocks, as the twin drafted them
-        q8_linears: false,
+        linear_dtype: LinearDType::Stored, // bf16, the values the twin runs in f32
+        draft_vocab: VocabChoice::Full, // the twin drafts over the whole vocabulary
     };
     let mut d = DFlash::new(WeightsSource::Path(weights), options).expect("drafter config");
     d.accept_target(target).expect("the weights fit SmolLM2");
