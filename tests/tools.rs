@@ -1,6 +1,11 @@
-//! Tool calling through `target-host serve` on real Qwen2.5-Coder-0.5B (its chat template's
-//! tools branch): a greedy request that calls `get_weather`, whole and streamed, the round trip
-//! with the tool's result, `tool_choice: none`, and bad tools answered 400.
+//! Tool calling through `target-host serve`:
+//! - on real Qwen2.5-Coder-0.5B (its chat template's tools branch): a greedy request that calls
+//!   `get_weather`, whole and streamed, the round trip with the tool's result,
+//!   `tool_choice: none`, and bad tools answered 400;
+//! - forced calls (`tool_choice: "required"` and a named function) on SmolLM2 (no tools branch:
+//!   the fallback prompt) and Qwen: the call names a listed function, its arguments match the
+//!   schema, streamed deltas reassemble to the whole reply, and greedy output with speculation
+//!   (the n-gram drafter, drafting) equals the same request with speculation off.
 
 use serde_json::{json, Value};
 
@@ -130,4 +135,194 @@ fn qwen_calls_a_tool_whole_streamed_and_round_trip() {
         let e = srv.post(CHAT, &ask(extra.clone())).error(400);
         assert_eq!(e["param"], param, "{extra}: {e}");
     }
+}
+
+/// Two functions with typed, required arguments.
+fn weather_and_add() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": {"type": "object", "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "add", "description": "Add two integers",
+            "parameters": {"type": "object", "properties": {
+                "a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"], "additionalProperties": false}}}
+    ])
+}
+
+/// Whether `args` (a call's JSON arguments) match `name`'s schema in [`weather_and_add`].
+fn valid_arguments(name: &str, args: &str) -> bool {
+    let Ok(Value::Object(o)) = serde_json::from_str::<Value>(args) else {
+        return false;
+    };
+    let keys: Vec<&str> = o.keys().map(String::as_str).collect();
+    match name {
+        "get_weather" => {
+            keys.len() == 2
+                && o.get("city")
+                    .and_then(Value::as_str)
+                    .is_some_and(|c| c.chars().count() <= 40)
+                && o.get("unit")
+                    .is_some_and(|u| u == "celsius" || u == "fahrenheit")
+        }
+        "add" => keys.len() == 2 && o["a"].is_i64() && o["b"].is_i64(),
+        _ => false,
+    }
+}
+
+/// A forced request: greedy, `tool_choice` and `parallel_tool_calls` as given.
+fn forced_body(choice: Value, parallel: bool, extra: Value) -> Value {
+    let mut body = json!({
+        "messages": [{"role": "user",
+            "content": "What is 17 plus 25? Also, how is the weather in Paris?"}],
+        "tools": weather_and_add(), "tool_choice": choice, "parallel_tool_calls": parallel,
+        "temperature": 0, "max_tokens": 96});
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    body
+}
+
+/// The calls of a whole reply as (name, arguments), checked to be a `tool_calls` answer.
+fn calls_of(v: &Value) -> Vec<(String, String)> {
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    choice["message"]["tool_calls"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no tool_calls: {v}"))
+        .iter()
+        .map(|c| {
+            assert!(c["id"].as_str().unwrap().starts_with("call_"), "{v}");
+            let f = &c["function"];
+            (
+                f["name"].as_str().unwrap().to_string(),
+                f["arguments"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The calls of a streamed reply, reassembled from the deltas as a client does (by index:
+/// name from the first delta, arguments concatenated).
+fn streamed_calls(text: &str) -> Vec<(String, String)> {
+    let data = sse_data(text);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let mut calls: Vec<(String, String)> = Vec::new();
+    let mut finish = Value::Null;
+    for d in &data[..data.len() - 1] {
+        let chunk: Value = serde_json::from_str(d).unwrap();
+        let choice = &chunk["choices"][0];
+        if !choice["finish_reason"].is_null() {
+            finish = choice["finish_reason"].clone();
+        }
+        for delta in choice["delta"]["tool_calls"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let i = delta["index"].as_u64().unwrap() as usize;
+            if i == calls.len() {
+                calls.push((String::new(), String::new()));
+            }
+            if let Some(name) = delta["function"]["name"].as_str() {
+                calls[i].0.push_str(name);
+            }
+            if let Some(args) = delta["function"]["arguments"].as_str() {
+                calls[i].1.push_str(args);
+            }
+        }
+    }
+    assert_eq!(finish, "tool_calls", "{text}");
+    calls
+}
+
+/// Forced calls on `model`: `required` and each named function, with speculation on and
+/// off, whole and streamed; several calls only when parallel; a forced call with a
+/// `response_format` is a 400 naming both.
+fn forced_calls(model: &str, requests: &[(Value, &[&str])]) {
+    let srv = Server::start_model(model, &["--drafter", "ngram", "--num-draft-tokens", "4"]);
+    let mut drafted = 0;
+    for (choice, names) in requests {
+        let body = forced_body(choice.clone(), false, json!({}));
+        let r = srv.post(CHAT, &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        let calls = calls_of(&v);
+        assert_eq!(calls.len(), 1, "one call without parallel_tool_calls: {v}");
+        let (name, args) = &calls[0];
+        assert!(names.contains(&name.as_str()), "{choice}: called {name}");
+        assert!(valid_arguments(name, args), "{name}: {args}");
+        drafted += v["usage"]["speculative"]["drafted"].as_u64().unwrap();
+
+        // Greedy: speculation changes nothing (the mask held on every verify row).
+        let off = forced_body(
+            choice.clone(),
+            false,
+            json!({"speculative": {"enabled": false}}),
+        );
+        let v_off = srv.post(CHAT, &off).json();
+        assert_eq!(calls_of(&v_off), calls, "speculation off: {v_off}");
+        assert_eq!(
+            v_off["usage"]["completion_tokens"],
+            v["usage"]["completion_tokens"]
+        );
+
+        // Streamed: the deltas reassemble to the same call.
+        let streamed = forced_body(choice.clone(), false, json!({"stream": true}));
+        let r = srv.post(CHAT, &streamed);
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(streamed_calls(&r.text()), calls);
+    }
+    assert!(drafted > 0, "speculation stayed on under the tool grammar");
+
+    // Parallel: one call or more, each of a listed function with valid arguments.
+    let v = srv
+        .post(CHAT, &forced_body(json!("required"), true, json!({})))
+        .json();
+    let calls = calls_of(&v);
+    assert!(!calls.is_empty());
+    for (name, args) in &calls {
+        assert!(valid_arguments(name, args), "{name}: {args} in {v}");
+    }
+
+    // A forced call and a response format cannot both hold.
+    let both = forced_body(
+        json!("required"),
+        false,
+        json!({"response_format": {"type": "json_object"}}),
+    );
+    let e = srv.post(CHAT, &both).error(400);
+    assert_eq!(e["param"], "tool_choice", "{e}");
+    let message = e["message"].as_str().unwrap();
+    assert!(message.contains("response_format"), "{e}");
+}
+
+fn named(name: &str) -> Value {
+    json!({"type": "function", "function": {"name": name}})
+}
+
+#[test]
+fn forced_tool_calls_on_smollm2_through_the_fallback_prompt() {
+    forced_calls(
+        "smollm2-135m",
+        &[
+            (json!("required"), &["get_weather", "add"]),
+            (named("add"), &["add"]),
+            (named("get_weather"), &["get_weather"]),
+        ],
+    );
+}
+
+#[test]
+fn forced_tool_calls_on_qwen_through_its_template() {
+    forced_calls(
+        "qwen2.5-coder-0.5b",
+        &[
+            (json!("required"), &["get_weather", "add"]),
+            (named("add"), &["add"]),
+        ],
+    );
 }

@@ -27,7 +27,7 @@ pub use vocab::Vocab;
 /// Whitespace allowed between JSON tokens, unless the schema's `x-guidance` says otherwise:
 /// any JSON whitespace, at most 24 characters at a time (enough to indent pretty-printed
 /// JSON; unbounded whitespace lets a small model pad until `max_tokens` and never close).
-const WHITESPACE: &str = r"[\x20\x0A\x0D\x09]{1,24}";
+pub const WHITESPACE: &str = r"[\x20\x0A\x0D\x09]{1,24}";
 
 /// A grammar that cannot be compiled, or a constraint that broke while running.
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +94,10 @@ pub struct Constraint {
     masks: usize,
     /// Time spent in the matcher (masks, advances, rollbacks).
     spent: Duration,
+    /// An EOS advanced through after the grammar was complete: the only token a complete
+    /// grammar allows, which the matcher cannot consume (a stopped matcher errors for good on
+    /// any token), so it is counted here instead. At most one: nothing follows an EOS.
+    eos_after_end: usize,
 }
 
 impl Constraint {
@@ -170,6 +174,7 @@ impl Constraint {
             path: Vec::new(),
             masks: 0,
             spent: Duration::ZERO,
+            eos_after_end: 0,
         })
     }
 
@@ -217,9 +222,28 @@ impl Constraint {
             self.path.clear();
         }
         let started = Instant::now();
-        let out = self.matcher.consume_token(token);
+        let out = self.consume(token);
         self.spent += started.elapsed();
         out.map_err(|e| GrammarError::Failed(format!("{e:#}")))
+    }
+
+    /// Consumes `token` in the matcher, or counts an EOS after the end.
+    fn consume(&mut self, token: u32) -> anyhow::Result<()> {
+        if self.is_eos(token) && self.is_complete() && self.eos_after_end == 0 {
+            self.eos_after_end = 1;
+            return Ok(());
+        }
+        self.matcher.consume_token(token)
+    }
+
+    /// Undoes the last `n` consumed tokens (an EOS after the end first).
+    fn unconsume(&mut self, n: usize) -> anyhow::Result<()> {
+        let phantom = self.eos_after_end.min(n);
+        self.eos_after_end -= phantom;
+        match n - phantom {
+            0 => Ok(()),
+            rest => self.matcher.rollback(rest),
+        }
     }
 
     /// Undoes the last `n` [`Constraint::advance`]s.
@@ -233,7 +257,7 @@ impl Constraint {
         self.ahead.clear();
         self.path.clear();
         let started = Instant::now();
-        let out = self.matcher.rollback(n);
+        let out = self.unconsume(n);
         self.spent += started.elapsed();
         out.map_err(|e| GrammarError::Failed(format!("{e:#}")))
     }
@@ -271,7 +295,7 @@ impl Constraint {
             let Ok(mask) = self.compute() else { break };
             let ok = draft.get(i).is_some_and(|&d| mask.allows(d));
             self.ahead.push(mask);
-            if !ok || self.matcher.consume_token(draft[i]).is_err() {
+            if !ok || self.consume(draft[i]).is_err() {
                 break;
             }
             n += 1;
@@ -280,7 +304,7 @@ impl Constraint {
                 break;
             }
         }
-        if self.matcher.rollback(n).is_err() {
+        if self.unconsume(n).is_err() {
             // Only a matcher already broken fails to roll back: drop the cache, keep no draft.
             self.ahead.clear();
             self.path.clear();

@@ -59,6 +59,9 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
     if let Some(stop) = tools.as_ref().and_then(ToolSet::stop) {
         checked.stop.push(stop.to_string());
     }
+    if let Some(forced) = forced_constraint(state, tools.as_ref(), checked.grammar.is_some())? {
+        checked.grammar = Some(forced);
+    }
     let (gen_req, plan) = checked.into_request(state, prompt_ids, logprobs, "messages")?;
     let rx = match super::admission::submit(state, "chat", gen_req) {
         Ok(rx) => rx,
@@ -131,15 +134,37 @@ fn tool_set(body: &serde_json::Value) -> Result<Option<ToolSet>, ApiError> {
         body.get("parallel_tool_calls"),
     )
     .map_err(tool_error)?;
-    if let Some(t) = &tools {
-        if t.forced().is_some() {
-            return Err(ApiError::invalid(
-                "tool_choice",
-                "tool_choice `required` or a named function is not supported yet: use `auto`",
-            ));
-        }
-    }
     Ok(tools)
+}
+
+/// The grammar that forces the call a `tool_choice` of `required` or a named function asks
+/// for (`None` for any other choice); `has_format`: the request also has a `response_format`,
+/// which cannot hold at the same time.
+///
+/// # Errors
+/// 400 naming both fields when `has_format`; 400 on `tools` when a schema cannot be enforced.
+pub fn forced_constraint(
+    state: &AppState,
+    tools: Option<&ToolSet>,
+    has_format: bool,
+) -> Result<Option<crate::grammar::Constraint>, ApiError> {
+    let Some(tools) = tools.filter(|t| t.forced().is_some()) else {
+        return Ok(None);
+    };
+    if has_format {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "tool_choice forces a tool call and response_format forces the reply's format: \
+             a request may have one of them, not both",
+        ));
+    }
+    let vocab = crate::grammar::Vocab::of(state.engine.tokenizer()).map_err(|e| {
+        ApiError::invalid(
+            "tool_choice",
+            format!("forced tool calls are not available for this model: {e:#}"),
+        )
+    })?;
+    tools.forced_constraint(&vocab, "tools").map_err(tool_error)
 }
 
 /// A [`ToolError`] as a 400 naming its field.

@@ -22,6 +22,8 @@ mod schema;
 
 use serde_json::{json, Map, Value};
 
+use crate::grammar::{Constraint, Vocab};
+
 /// Longest function name (OpenAI's limit).
 const MAX_NAME_LEN: usize = 64;
 
@@ -55,6 +57,10 @@ pub struct Tool {
     /// JSON schema of its arguments (an object schema; `{"type": "object", "properties": {}}`
     /// when the client gave none).
     pub parameters: Value,
+    /// The client asked for arguments that follow the schema exactly (OpenAI's `strict`): a
+    /// forced call whose schema has a part the grammar cannot enforce is then a 400, not a
+    /// call checked for the rest.
+    pub strict: bool,
 }
 
 /// How the model may use the tools.
@@ -291,6 +297,61 @@ impl ToolSet {
         }
     }
 
+    /// The grammar a forced reply follows (`None` unless `tool_choice` forces a call): one
+    /// `<tool_call>` block, or several separated by a newline when `parallel`, each holding
+    /// `{"name": <a forced tool>, "arguments": <an object valid under its parameters>}` — the
+    /// format the parser reads back ([`parse`]).
+    pub fn forced_grammar(&self) -> Option<String> {
+        let forced = self.forced()?;
+        let calls: Vec<Value> = forced
+            .iter()
+            .map(|t| {
+                json!({
+                    "type": "object",
+                    "properties": {"name": {"const": &t.name}, "arguments": &t.parameters},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": false,
+                })
+            })
+            .collect();
+        let mut schema = json!({"anyOf": calls});
+        schema["x-guidance"] = json!({
+            "lenient": !forced.iter().any(|t| t.strict),
+            "whitespace_pattern": crate::grammar::WHITESPACE,
+        });
+        let block = format!(
+            "block: {open} call {close}\ncall: %json {schema}",
+            open = lark_string(&format!("{}\n", parse::OPEN)),
+            close = lark_string(&format!("\n{}", parse::CLOSE)),
+        );
+        let start = match self.parallel {
+            true => "start: block (\"\\n\" block)*",
+            false => "start: block",
+        };
+        Some(format!("{start}\n{block}\n"))
+    }
+
+    /// The compiled [`ToolSet::forced_grammar`] for `vocab`.
+    ///
+    /// # Errors
+    /// A [`ToolError`] on `tools_param` when a forced tool's schema cannot be enforced (or,
+    /// strict, has a part the grammar cannot enforce).
+    pub fn forced_constraint(
+        &self,
+        vocab: &Vocab,
+        tools_param: &str,
+    ) -> Result<Option<Constraint>, ToolError> {
+        let Some(grammar) = self.forced_grammar() else {
+            return Ok(None);
+        };
+        Constraint::lark(vocab, &grammar).map(Some).map_err(|e| {
+            bad(
+                tools_param,
+                format!("the forced tool call's arguments cannot be enforced: {e}"),
+            )
+        })
+    }
+
     /// The names a parsed call may have.
     pub fn names(&self) -> Vec<String> {
         self.tools.iter().map(|t| t.name.clone()).collect()
@@ -357,6 +418,11 @@ pub fn call_id(prefix: &str) -> String {
     format!("{prefix}{:024x}", rand::random::<u128>() >> 32)
 }
 
+/// `s` as a Lark string literal (JSON escaping is a subset of Lark's).
+fn lark_string(s: &str) -> String {
+    Value::String(s.to_string()).to_string()
+}
+
 /// 400 for a key of `o` not in `allowed` (nothing is silently ignored).
 fn check_keys(o: &Map<String, Value>, allowed: &[&str], param: &str) -> Result<(), ToolError> {
     match o.keys().find(|k| !allowed.contains(&k.as_str())) {
@@ -390,18 +456,22 @@ fn openai_tool(i: usize, t: &Value) -> Result<Tool, ToolError> {
         .and_then(Value::as_object)
         .ok_or_else(|| bad(&at, "must be an object with a name"))?;
     check_keys(f, &["name", "description", "parameters", "strict"], &at)?;
-    if f.get("strict").is_some_and(|s| !s.is_boolean()) {
-        return Err(bad(format!("{at}.strict"), "must be a boolean"));
-    }
-    // `strict` asks for arguments that match the schema; a forced call is grammar-constrained
-    // to the schema whatever `strict` says, and an `auto` call is parsed as the model wrote it.
-    tool(
+    let strict = match f.get("strict") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(bad(format!("{at}.strict"), "must be a boolean")),
+    };
+    // A forced call is grammar-constrained to the schema (`strict` decides whether a part the
+    // grammar cannot enforce is an error); an `auto` call is parsed as the model wrote it.
+    let mut t = tool(
         &at,
         f.get("name"),
         f.get("description"),
         f.get("parameters"),
         "parameters",
-    )
+    )?;
+    t.strict = strict;
+    Ok(t)
 }
 
 fn anthropic_tool(i: usize, t: &Value) -> Result<Tool, ToolError> {
@@ -475,6 +545,7 @@ fn tool(
         name: name.to_string(),
         description,
         parameters,
+        strict: false,
     })
 }
 
@@ -630,5 +701,104 @@ mod tests {
             let err = ToolSet::from_anthropic(Some(&tools), choice.as_ref()).unwrap_err();
             assert_eq!(err.param, param, "{tools} {choice:?}: {err}");
         }
+    }
+
+    /// Whether the forced grammar of `tools` / `choice` / `parallel` takes `text` whole.
+    fn forced_accepts(tools: &Value, choice: Value, parallel: bool, text: &str) -> bool {
+        use specula_models::tokenizer::Special;
+        let set = ToolSet::from_openai(Some(tools), Some(&choice), Some(&json!(parallel)))
+            .unwrap()
+            .unwrap();
+        let vocab = crate::grammar::tests::vocab();
+        let mut c = set.forced_constraint(&vocab, "tools").unwrap().unwrap();
+        let ids = crate::grammar::tests::tokenizer()
+            .encode(text, Special::Plain)
+            .unwrap();
+        c.check_draft(&ids) == ids.len() && {
+            ids.iter().for_each(|&t| c.advance(t).unwrap());
+            c.is_accepting()
+        }
+    }
+
+    fn weather_and_add() -> Value {
+        let mut tools = weather();
+        tools
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"type": "function", "function": {
+            "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+            "b": {"type": "integer"}}, "required": ["a", "b"], "additionalProperties": false}}}));
+        tools
+    }
+
+    #[test]
+    fn forced_calls_follow_the_grammar() {
+        let tools = weather_and_add();
+        let add =
+            "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}}\n</tool_call>";
+        let paris = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+        let required = || json!("required");
+        assert!(forced_accepts(&tools, required(), false, add));
+        assert!(forced_accepts(&tools, required(), false, paris));
+        // Arguments of the other function, an unknown function, a missing required argument,
+        // text before the call: refused.
+        let wrong_args = add.replace("\"a\": 1, \"b\": 2", "\"city\": \"Oslo\"");
+        assert!(!forced_accepts(&tools, required(), false, &wrong_args));
+        assert!(!forced_accepts(
+            &tools,
+            required(),
+            false,
+            &add.replace("add", "sub")
+        ));
+        assert!(!forced_accepts(
+            &tools,
+            required(),
+            false,
+            &paris.replace("\"city\": \"Paris\"", "")
+        ));
+        assert!(!forced_accepts(
+            &tools,
+            required(),
+            false,
+            &format!("Sure. {add}")
+        ));
+        // Several calls only when parallel.
+        let two = format!("{add}\n{paris}");
+        assert!(forced_accepts(&tools, required(), true, &two));
+        assert!(!forced_accepts(&tools, required(), false, &two));
+        // A named function: that one only.
+        let named = json!({"type": "function", "function": {"name": "add"}});
+        assert!(forced_accepts(&tools, named.clone(), false, add));
+        assert!(!forced_accepts(&tools, named, false, paris));
+        // `auto` and `none` force nothing.
+        for choice in ["auto", "none"] {
+            let set = ToolSet::from_openai(Some(&tools), Some(&json!(choice)), None)
+                .unwrap()
+                .unwrap();
+            assert!(set.forced_grammar().is_none());
+        }
+    }
+
+    #[test]
+    fn a_strict_schema_the_grammar_cannot_enforce_is_an_error() {
+        let tools = json!([{"type": "function", "function": {"name": "f", "strict": true,
+            "parameters": {"type": "object", "properties": {"s": {"type": "string",
+            "format": "no-such-format"}}}}}]);
+        let vocab = crate::grammar::tests::vocab();
+        let set = ToolSet::from_openai(Some(&tools), Some(&json!("required")), None)
+            .unwrap()
+            .unwrap();
+        let err = set.forced_constraint(&vocab, "tools").unwrap_err();
+        assert_eq!(err.param, "tools");
+        assert!(err.message.contains("no-such-format"), "{err}");
+        // Not strict: the unknown format is not enforced, the rest is.
+        let lenient = tools
+            .to_string()
+            .replace("\"strict\":true", "\"strict\":false");
+        let lenient: Value = serde_json::from_str(&lenient).unwrap();
+        let set = ToolSet::from_openai(Some(&lenient), Some(&json!("required")), None)
+            .unwrap()
+            .unwrap();
+        assert!(set.forced_constraint(&vocab, "tools").unwrap().is_some());
     }
 }
