@@ -239,7 +239,14 @@ fn dflash_generate(kill_after: usize) -> (Vec<u32>, Vec<DrafterEvent>) {
         .arg("--drafter")
         .arg(specula_tests::bin_path("dflash"))
         .args(["--num-draft-tokens", "7", "--fixed-draft"])
-        .args(["--draft-deadline-ms", "10000"])
+        // The deadline is a few measured target steps, capped by the ms: on a loaded machine a
+        // miss would halve later drafts and no round could be compared. Let the cap decide.
+        .args([
+            "--draft-deadline-ms",
+            "10000",
+            "--draft-deadline-steps",
+            "1000",
+        ])
         .env("RUST_LOG", "info,dflash=debug")
         .env("NO_COLOR", "1")
         .stdout(Stdio::piped())
