@@ -218,12 +218,12 @@ __global__ void __launch_bounds__(256)
   skinny_gemm_body<8>(X, W, bias, out, M, N, K, mode);
 }
 
-// The same with 16 warps splitting K: twice the loads in flight per output tile, for
-// projections with few output tiles (small N, long K).
-__global__ void __launch_bounds__(512)
-    skinny_gemm_w16(const bf16* __restrict__ X, const bf16* __restrict__ W,
-                    const bf16* __restrict__ bias, void* out, int M, int N, int K, int mode) {
-  skinny_gemm_body<16>(X, W, bias, out, M, N, K, mode);
+// The same capped at 64 registers so that four blocks fit an SM: the host picks it where that
+// saves a wave (the 512 output tiles of a 4096-wide projection: one wave on 132 SMs, not two).
+__global__ void __launch_bounds__(256, 4)
+    skinny_gemm_b4(const bf16* __restrict__ X, const bf16* __restrict__ W,
+                const bf16* __restrict__ bias, void* out, int M, int N, int K, int mode) {
+  skinny_gemm_body<8>(X, W, bias, out, M, N, K, mode);
 }
 
 // Per (row, head) of the fused q|k|v output: the optional per-head RMS norm (qwen3), rotary

@@ -16,10 +16,6 @@ use crate::device::{DeviceBuffer, Gpu, Pinned};
 use crate::error::{Context, Error, Result};
 use crate::shape::{Shape, ATTN_CHUNK, MAX_ROWS};
 
-/// Projections with fewer outputs than this use the 16-warp kernel (twice the loads in flight
-/// per output tile; see `cuda-bench`'s per-shape table).
-const WIDE_BELOW: usize = 4096;
-
 /// One transformer block's weights (bf16, `[out, in]`). `gate_up` interleaves its rows:
 /// row `2j` is gate row `j`, row `2j + 1` is up row `j`.
 pub struct LayerWeights {
@@ -318,12 +314,7 @@ impl Step {
         let gemm = |xin: u64, w: u64, bias: u64, out: u64, n: usize, kk: usize, mode: i32| {
             let (ni, ki) = (n as i32, kk as i32);
             let grid = ((n / 8) as u32, 1);
-            let (f, threads) = if n < WIDE_BELOW {
-                (&k.skinny_gemm_w16, 512)
-            } else {
-                (&k.skinny_gemm, 256)
-            };
-            launch!(f, grid, threads, "skinny_gemm"; &xin, &w, &bias, &out, &mi, &ni, &ki, &mode)
+            launch!(gpu.gemm_kernel(n), grid, 256, "skinny_gemm"; &xin, &w, &bias, &out, &mi, &ni, &ki, &mode)
         };
         let opt = |b: &Option<DeviceBuffer>| b.as_ref().map_or(0, DeviceBuffer::ptr);
         let (cos, sin) = (self.rope_cos.ptr(), self.rope_sin.ptr());

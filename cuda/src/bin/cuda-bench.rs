@@ -70,7 +70,7 @@ fn copy_gbps(gpu: &Gpu, mib: usize) -> Result<f64> {
 /// The projection kernel alone on one weight shape: launches back to back over a ring of
 /// weight copies larger than L2 (so each reads from memory), timed with events. Returns the
 /// microseconds of one launch and the weight bytes it streams per second.
-fn gemm_rate(gpu: &Gpu, wide: bool, rows: usize, n: usize, k: usize) -> Result<(f64, f64)> {
+fn gemm_rate(gpu: &Gpu, b4: bool, rows: usize, n: usize, k: usize) -> Result<(f64, f64)> {
     let bytes = 2 * n * k;
     let copies = (512usize << 20).div_ceil(bytes).clamp(2, 64);
     let ring: Vec<_> = (0..copies)
@@ -92,8 +92,8 @@ fn gemm_rate(gpu: &Gpu, wide: bool, rows: usize, n: usize, k: usize) -> Result<(
             [&mi, &ni, &ki, &mode]
                 .map(|p| std::ptr::from_ref(p).cast_mut().cast::<std::ffi::c_void>()),
         );
-        let (f, threads) = if wide {
-            (&gpu.kernels.skinny_gemm_w16, 512)
+        let (f, threads) = if b4 {
+            (&gpu.kernels.skinny_gemm_b4, 256)
         } else {
             (&gpu.kernels.skinny_gemm, 256)
         };
@@ -125,6 +125,8 @@ fn main() -> Result<()> {
     } else {
         args.bandwidth_gbps
     };
+    let (sms, fit, fit_b4) = gpu.occupancy();
+    println!("{sms} SMs; projection blocks an SM: {fit} (plain), {fit_b4} (b4)");
     let mut gemms = Vec::new();
     for (what, n, k) in [
         ("qkv", shape.qkv_width(), shape.hidden),
@@ -134,13 +136,18 @@ fn main() -> Result<()> {
         ("lm_head", shape.vocab, shape.hidden),
     ] {
         for rows in [1, 16] {
-            for warps in [8, 16] {
-                let (us, gb) = gemm_rate(&gpu, warps == 16, rows, n, k)?;
+            for b4 in [false, true] {
+                let (us, gb) = gemm_rate(&gpu, b4, rows, n, k)?;
+                let kernel = if b4 { "b4" } else { "plain" };
+                let picked =
+                    gpu.gemm_kernel(n).cu_function() == gpu.kernels.skinny_gemm_b4.cu_function();
+                let step_uses = picked == b4;
                 println!(
-                    "gemm {what:8} {n:6}x{k:5} rows {rows:2} warps {warps:2}: {us:8.2} us, {gb:6.0} GB/s ({:.0}% of copy)",
-                    100.0 * gb / gbps
+                    "gemm {what:8} {n:6}x{k:5} rows {rows:2} {kernel:5}: {us:8.2} us, {gb:6.0} GB/s ({:.0}% of copy){}",
+                    100.0 * gb / gbps,
+                    if step_uses { " <- step" } else { "" }
                 );
-                gemms.push(json!({"proj": what, "n": n, "k": k, "rows": rows, "warps": warps, "us": us, "gbps": gb}));
+                gemms.push(json!({"proj": what, "n": n, "k": k, "rows": rows, "kernel": kernel, "us": us, "gbps": gb, "step_uses": step_uses}));
             }
         }
     }
@@ -182,17 +189,24 @@ fn main() -> Result<()> {
     for &w in &args.windows {
         step.capture(w)?;
     }
-    let mut curve = Vec::new();
-    for &w in &args.windows {
-        let tokens = &prompt[..w];
-        let mut times = Vec::new();
-        for _ in 0..args.reps + 2 {
-            let t = Instant::now();
-            step.forward(tokens, args.context, true)?;
-            times.push(t.elapsed().as_secs_f64() * 1e3);
+    let curve_of = |step: &mut Step| -> Result<Vec<(usize, f64)>> {
+        let mut curve = Vec::new();
+        for &w in &args.windows {
+            let tokens = &prompt[..w];
+            let mut times = Vec::new();
+            for _ in 0..args.reps + 2 {
+                let t = Instant::now();
+                step.forward(tokens, args.context, true)?;
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            curve.push((w, median(times[2..].to_vec())));
         }
-        curve.push((w, median(times[2..].to_vec())));
-    }
+        Ok(curve)
+    };
+    let curve = curve_of(&mut step)?;
+    step.set_pdl(false);
+    let curve_no_pdl = curve_of(&mut step)?;
+    step.set_pdl(true);
     let bytes = shape.step_weight_bytes() + shape.kv_bytes(args.context);
     let limit = gbps * 1e9 / bytes as f64;
     let one = curve.iter().find(|c| c.0 == 1).map_or(curve[0].1, |c| c.1);
@@ -211,8 +225,16 @@ fn main() -> Result<()> {
         "decode (graph, PDL) {graph_tps:.1} tok/s = {:.1}% of the limit; graph without PDL {nopdl_tps:.1}; eager {eager_tps:.1}; same ids: {same}",
         100.0 * graph_tps / limit
     );
-    for (w, ms) in &curve {
-        println!("window {w:2}: {ms:.3} ms ({:.2}x)", ms / one);
+    let one_np = curve_no_pdl
+        .iter()
+        .find(|c| c.0 == 1)
+        .map_or(curve_no_pdl[0].1, |c| c.1);
+    for ((w, ms), (_, np)) in curve.iter().zip(&curve_no_pdl) {
+        println!(
+            "window {w:2}: {ms:.3} ms ({:.2}x); without PDL {np:.3} ms ({:.2}x)",
+            ms / one,
+            np / one_np
+        );
     }
     let out = json!({
         "config": args.config,
@@ -230,6 +252,7 @@ fn main() -> Result<()> {
         "same_ids_graph_eager_no_pdl": same,
         "windows": curve.iter().map(|(w, ms)| json!({"rows": w, "ms": ms, "ratio": ms / one})).collect::<Vec<_>>(),
         "gemm": gemms,
+        "windows_no_pdl": curve_no_pdl.iter().map(|(w, ms)| json!({"rows": w, "ms": ms, "ratio": ms / one_np})).collect::<Vec<_>>(),
         "load_s": load_s,
         "capture_ms": capture_ms,
     });

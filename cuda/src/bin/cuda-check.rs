@@ -35,11 +35,10 @@ fn main() -> Result<()> {
         (9, 96, 1536, 2),
     ] {
         let bias = mode == 0 && m == 1;
-        for wide in [false, true] {
-            let err = check_gemm(&gpu, &mut rng, wide, (m, n, k), mode, bias)?;
-            let warps = if wide { 16 } else { 8 };
-            let what =
-                format!("skinny_gemm warps={warps} m={m} n={n} k={k} mode={mode} bias={bias}");
+        for b4 in [false, true] {
+            let err = check_gemm(&gpu, &mut rng, b4, (m, n, k), mode, bias)?;
+            let kernel = if b4 { "skinny_gemm_b4" } else { "skinny_gemm" };
+            let what = format!("{kernel} m={m} n={n} k={k} mode={mode} bias={bias}");
             failures += report(&what, err);
         }
     }
@@ -93,7 +92,7 @@ fn to_f32(v: &[u16]) -> Vec<f32> {
 fn check_gemm(
     gpu: &Gpu,
     rng: &mut impl Rng,
-    wide: bool,
+    b4: bool,
     (m, n, k): (usize, usize, usize),
     mode: i32,
     with_bias: bool,
@@ -129,8 +128,8 @@ fn check_gemm(
     let (px, pw, pout) = (dx.ptr(), dw.ptr(), dout.ptr());
     let pb = if with_bias { db.ptr() } else { 0 };
     let (mi, ni, ki) = (m as i32, n as i32, k as i32);
-    let (f, threads) = if wide {
-        (&gpu.kernels.skinny_gemm_w16, 512)
+    let (f, threads) = if b4 {
+        (&gpu.kernels.skinny_gemm_b4, 256)
     } else {
         (&gpu.kernels.skinny_gemm, 256)
     };
