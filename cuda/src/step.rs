@@ -7,8 +7,8 @@
 //! add). Positions and tokens live in device memory (`state`), copied from pinned host memory
 //! by the graph's first node, so a graph captured once replays at every position; the argmax
 //! ids come back by its last node. Nothing inside a step allocates, syncs or uploads parameters.
-//! Kernels are launched with programmatic dependent launch (see `kernels/step.cu`), so in a
-//! graph each one is scheduled while its predecessor drains.
+//! Kernels can be launched with programmatic dependent launch ([`Step::set_pdl`]; see
+//! `kernels/step.cu`).
 
 use cudarc::driver::{sys, CudaGraph};
 
@@ -170,13 +170,15 @@ impl Step {
             host_state,
             host_ids,
             graphs: (0..=r).map(|_| None).collect(),
-            pdl: true,
+            pdl: false,
         })
     }
 
-    /// Turns programmatic dependent launch on or off (on by default: each kernel is scheduled
-    /// while the previous one finishes, and the projections start loading weights then).
-    /// Drops the captured graphs, which hold the launches' attributes.
+    /// Turns programmatic dependent launch on or off: each kernel is then scheduled while the
+    /// previous one finishes, and the projections start loading weights then. Off by default:
+    /// on the H200 it gained 1% at one row on the 1.5B shape and lost 3% (8B) and up to 25%
+    /// (16-row windows) elsewhere (BENCHMARKS.md). Drops the captured graphs, which hold the
+    /// launches' attributes.
     pub fn set_pdl(&mut self, on: bool) {
         if on != self.pdl {
             self.pdl = on;

@@ -1,13 +1,14 @@
 //! Benchmark of the CUDA step on random bf16 weights of a preset shape (run on the GPU
 //! machine by `scripts/gpu-bench`):
 //!
-//!   cuda-bench --config qwen3-8b --context 512 --decode-tokens 128 --out specula-cuda-qwen3-8b.json
+//!   cuda-bench --config qwen3-8b --context 512 --decode-tokens 128 --out cuda-qwen3-8b.json
 //!
 //! Prints and writes: device-to-device copy bandwidth (bytes read + written), the bandwidth
 //! limit of decode (that bandwidth over the bytes one step reads: bf16 weights + bf16 KV at
 //! the context), plain decode tokens/s with graph replay (each token read back by the host, as
-//! a server must), the same without programmatic dependent launch, and with eager launches, and the verify-window curve (median wall time of a
-//! forward of 1–16 rows at the context, read back included).
+//! a server must), the same with programmatic dependent launch and with eager launches, the
+//! verify-window curve (median wall time of a forward of 1–16 rows at the context, read back
+//! included) with and without PDL, and each projection kernel's bandwidth alone.
 
 use std::time::Instant;
 
@@ -182,10 +183,10 @@ fn main() -> Result<()> {
     decode(&mut step, true, last)?; // warm-up
     let (graph_tps, graph_ids) = decode(&mut step, true, last)?;
     let (eager_tps, eager_ids) = decode(&mut step, false, last)?;
-    step.set_pdl(false);
-    decode(&mut step, true, last)?; // captures the graph without PDL
-    let (nopdl_tps, nopdl_ids) = decode(&mut step, true, last)?;
     step.set_pdl(true);
+    decode(&mut step, true, last)?; // captures the graph with PDL
+    let (pdl_tps, pdl_ids) = decode(&mut step, true, last)?;
+    step.set_pdl(false);
     for &w in &args.windows {
         step.capture(w)?;
     }
@@ -204,9 +205,9 @@ fn main() -> Result<()> {
         Ok(curve)
     };
     let curve = curve_of(&mut step)?;
-    step.set_pdl(false);
-    let curve_no_pdl = curve_of(&mut step)?;
     step.set_pdl(true);
+    let curve_pdl = curve_of(&mut step)?;
+    step.set_pdl(false);
     let bytes = shape.step_weight_bytes() + shape.kv_bytes(args.context);
     let limit = gbps * 1e9 / bytes as f64;
     let one = curve.iter().find(|c| c.0 == 1).map_or(curve[0].1, |c| c.1);
@@ -220,20 +221,20 @@ fn main() -> Result<()> {
         "copy {gbps:.0} GB/s; step reads {:.3} GB; limit {limit:.0} tok/s",
         bytes as f64 / 1e9
     );
-    let same = graph_ids == eager_ids && graph_ids == nopdl_ids;
+    let same = graph_ids == eager_ids && graph_ids == pdl_ids;
     println!(
-        "decode (graph, PDL) {graph_tps:.1} tok/s = {:.1}% of the limit; graph without PDL {nopdl_tps:.1}; eager {eager_tps:.1}; same ids: {same}",
+        "decode (graph) {graph_tps:.1} tok/s = {:.1}% of the limit; graph with PDL {pdl_tps:.1}; eager {eager_tps:.1}; same ids: {same}",
         100.0 * graph_tps / limit
     );
-    let one_np = curve_no_pdl
+    let one_pdl = curve_pdl
         .iter()
         .find(|c| c.0 == 1)
-        .map_or(curve_no_pdl[0].1, |c| c.1);
-    for ((w, ms), (_, np)) in curve.iter().zip(&curve_no_pdl) {
+        .map_or(curve_pdl[0].1, |c| c.1);
+    for ((w, ms), (_, np)) in curve.iter().zip(&curve_pdl) {
         println!(
-            "window {w:2}: {ms:.3} ms ({:.2}x); without PDL {np:.3} ms ({:.2}x)",
+            "window {w:2}: {ms:.3} ms ({:.2}x); with PDL {np:.3} ms ({:.2}x)",
             ms / one,
-            np / one_np
+            np / one_pdl
         );
     }
     let out = json!({
@@ -247,12 +248,12 @@ fn main() -> Result<()> {
         "limit_tok_s": limit,
         "decode_tok_s": graph_tps,
         "decode_eager_tok_s": eager_tps,
-        "decode_no_pdl_tok_s": nopdl_tps,
+        "decode_pdl_tok_s": pdl_tps,
         "fraction_of_limit": graph_tps / limit,
-        "same_ids_graph_eager_no_pdl": same,
+        "same_ids_graph_eager_pdl": same,
         "windows": curve.iter().map(|(w, ms)| json!({"rows": w, "ms": ms, "ratio": ms / one})).collect::<Vec<_>>(),
         "gemm": gemms,
-        "windows_no_pdl": curve_no_pdl.iter().map(|(w, ms)| json!({"rows": w, "ms": ms, "ratio": ms / one_np})).collect::<Vec<_>>(),
+        "windows_pdl": curve_pdl.iter().map(|(w, ms)| json!({"rows": w, "ms": ms, "ratio": ms / one_pdl})).collect::<Vec<_>>(),
         "load_s": load_s,
         "capture_ms": capture_ms,
     });
