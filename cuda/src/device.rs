@@ -160,12 +160,13 @@ impl Gpu {
         })
     }
 
-    /// The projection kernel for `n` outputs: the 64-register one where its extra block an
-    /// SM saves a wave of output tiles, else the unconstrained one.
+    /// The projection kernel for `n` outputs: the 64-register one where its fourth block an
+    /// SM fits every output tile into one wave that would otherwise take two or more (its spill
+    /// costs more than a partial last wave once there are many waves: `cuda-bench`'s table).
     pub fn gemm_kernel(&self, n: usize) -> &CudaFunction {
         let tiles = n / 8;
         let waves = |fit: usize| tiles.div_ceil(fit * self.sms);
-        if waves(self.gemm_fit.1) < waves(self.gemm_fit.0) {
+        if waves(self.gemm_fit.1) == 1 && waves(self.gemm_fit.0) > 1 {
             &self.kernels.skinny_gemm_b4
         } else {
             &self.kernels.skinny_gemm
