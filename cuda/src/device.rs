@@ -85,7 +85,7 @@ pub struct Kernels {
     pub embed: CudaFunction,
     pub rmsnorm: CudaFunction,
     pub skinny_gemm: CudaFunction,
-    pub skinny_gemm_w16: CudaFunction,
+    pub skinny_gemm_b4: CudaFunction,
     pub rope_kv: CudaFunction,
     pub attn_partial: CudaFunction,
     pub attn_combine: CudaFunction,
@@ -97,6 +97,9 @@ pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub kernels: Kernels,
+    /// Multiprocessors, and how many blocks of each projection kernel fit one.
+    sms: usize,
+    gemm_fit: (usize, usize),
 }
 
 impl Gpu {
@@ -128,17 +131,51 @@ impl Gpu {
             embed: f("embed")?,
             rmsnorm: f("rmsnorm")?,
             skinny_gemm: f("skinny_gemm")?,
-            skinny_gemm_w16: f("skinny_gemm_w16")?,
+            skinny_gemm_b4: f("skinny_gemm_b4")?,
             rope_kv: f("rope_kv")?,
             attn_partial: f("attn_partial")?,
             attn_combine: f("attn_combine")?,
             argmax_rows: f("argmax_rows")?,
         };
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .ctx(|| "reading the multiprocessor count".into())? as usize;
+        let fit = |f: &CudaFunction| -> Result<usize> {
+            let mut n = 0;
+            // SAFETY: queries the occupancy of a loaded kernel at its launch size.
+            unsafe {
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, f.cu_function(), 256, 0)
+                    .result()
+            }
+            .ctx(|| "reading kernel occupancy".into())?;
+            Ok(n.max(1) as usize)
+        };
+        let gemm_fit = (fit(&kernels.skinny_gemm)?, fit(&kernels.skinny_gemm_b4)?);
         Ok(Self {
             ctx,
             stream,
             kernels,
+            sms,
+            gemm_fit,
         })
+    }
+
+    /// The projection kernel for `n` outputs: the 64-register one where its fourth block an
+    /// SM fits every output tile into one wave that would otherwise take two or more (its spill
+    /// costs more than a partial last wave once there are many waves: `cuda-bench`'s table).
+    pub fn gemm_kernel(&self, n: usize) -> &CudaFunction {
+        let tiles = n / 8;
+        let waves = |fit: usize| tiles.div_ceil(fit * self.sms);
+        if waves(self.gemm_fit.1) == 1 && waves(self.gemm_fit.0) > 1 {
+            &self.kernels.skinny_gemm_b4
+        } else {
+            &self.kernels.skinny_gemm
+        }
+    }
+
+    /// Multiprocessors and the blocks of the two projection kernels that fit one, for reports.
+    pub fn occupancy(&self) -> (usize, usize, usize) {
+        (self.sms, self.gemm_fit.0, self.gemm_fit.1)
     }
 
     /// The device's name, for reports.

@@ -7,18 +7,14 @@
 //! add). Positions and tokens live in device memory (`state`), copied from pinned host memory
 //! by the graph's first node, so a graph captured once replays at every position; the argmax
 //! ids come back by its last node. Nothing inside a step allocates, syncs or uploads parameters.
-//! Kernels are launched with programmatic dependent launch (see `kernels/step.cu`), so in a
-//! graph each one is scheduled while its predecessor drains.
+//! Kernels can be launched with programmatic dependent launch ([`Step::set_pdl`]; see
+//! `kernels/step.cu`).
 
 use cudarc::driver::{sys, CudaGraph};
 
 use crate::device::{DeviceBuffer, Gpu, Pinned};
 use crate::error::{Context, Error, Result};
 use crate::shape::{Shape, ATTN_CHUNK, MAX_ROWS};
-
-/// Projections with fewer outputs than this use the 16-warp kernel (twice the loads in flight
-/// per output tile; see `cuda-bench`'s per-shape table).
-const WIDE_BELOW: usize = 4096;
 
 /// One transformer block's weights (bf16, `[out, in]`). `gate_up` interleaves its rows:
 /// row `2j` is gate row `j`, row `2j + 1` is up row `j`.
@@ -174,13 +170,15 @@ impl Step {
             host_state,
             host_ids,
             graphs: (0..=r).map(|_| None).collect(),
-            pdl: true,
+            pdl: false,
         })
     }
 
-    /// Turns programmatic dependent launch on or off (on by default: each kernel is scheduled
-    /// while the previous one finishes, and the projections start loading weights then).
-    /// Drops the captured graphs, which hold the launches' attributes.
+    /// Turns programmatic dependent launch on or off: each kernel is then scheduled while the
+    /// previous one finishes, and the projections start loading weights then. Off by default:
+    /// on the H200 it gained 1% at one row on the 1.5B shape and lost 3% (8B) and up to 25%
+    /// (16-row windows) elsewhere (BENCHMARKS.md). Drops the captured graphs, which hold the
+    /// launches' attributes.
     pub fn set_pdl(&mut self, on: bool) {
         if on != self.pdl {
             self.pdl = on;
@@ -318,12 +316,7 @@ impl Step {
         let gemm = |xin: u64, w: u64, bias: u64, out: u64, n: usize, kk: usize, mode: i32| {
             let (ni, ki) = (n as i32, kk as i32);
             let grid = ((n / 8) as u32, 1);
-            let (f, threads) = if n < WIDE_BELOW {
-                (&k.skinny_gemm_w16, 512)
-            } else {
-                (&k.skinny_gemm, 256)
-            };
-            launch!(f, grid, threads, "skinny_gemm"; &xin, &w, &bias, &out, &mi, &ni, &ki, &mode)
+            launch!(gpu.gemm_kernel(n), grid, 256, "skinny_gemm"; &xin, &w, &bias, &out, &mi, &ni, &ki, &mode)
         };
         let opt = |b: &Option<DeviceBuffer>| b.as_ref().map_or(0, DeviceBuffer::ptr);
         let (cos, sin) = (self.rope_cos.ptr(), self.rope_sin.ptr());

@@ -29,7 +29,7 @@ def cuda_step_table(presets, step, peer, candle, hf_decode):
     """The CUDA step (specula-cuda) beside PyTorch + CUDA graph, candle and HF, same run."""
     lines = ["", "CUDA step (`cuda-bench`: own kernels, one CUDA graph per window; bf16 weights "
              "and KV) beside the PyTorch + CUDA graph peer (`scripts/gpu/torch_step.py`):", "",
-             "| shape | bytes/token | limit tok/s | CUDA step tok/s | of limit | without PDL "
+             "| shape | bytes/token | limit tok/s | CUDA step tok/s | of limit | with PDL "
              "tok/s | eager launches tok/s | PyTorch + graph tok/s | of limit | candle tok/s | HF tok/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in presets:
@@ -40,7 +40,7 @@ def cuda_step_table(presets, step, peer, candle, hf_decode):
         lines.append(
             f"| {p} | {fmt(s.get('bytes_per_token') and s['bytes_per_token'] / 1e9, '.2f')} GB | "
             f"{fmt(lim, '.0f')} | {fmt(s.get('decode_tok_s'))} | "
-            f"{fmt(s.get('fraction_of_limit'), '.2f')} | {fmt(s.get('decode_no_pdl_tok_s'))} | "
+            f"{fmt(s.get('fraction_of_limit'), '.2f')} | {fmt(s.get('decode_pdl_tok_s'))} | "
             f"{fmt(s.get('decode_eager_tok_s'))} | "
             f"{fmt(tp)} | {fmt(tp / lim if tp and lim else None, '.2f')} | {fmt(cd)} | "
             f"{fmt((hf_decode.get(p) or {}).get('decode_tokens_per_s'))} |")

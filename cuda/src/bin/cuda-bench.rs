@@ -1,13 +1,14 @@
 //! Benchmark of the CUDA step on random bf16 weights of a preset shape (run on the GPU
 //! machine by `scripts/gpu-bench`):
 //!
-//!   cuda-bench --config qwen3-8b --context 512 --decode-tokens 128 --out specula-cuda-qwen3-8b.json
+//!   cuda-bench --config qwen3-8b --context 512 --decode-tokens 128 --out cuda-qwen3-8b.json
 //!
 //! Prints and writes: device-to-device copy bandwidth (bytes read + written), the bandwidth
 //! limit of decode (that bandwidth over the bytes one step reads: bf16 weights + bf16 KV at
 //! the context), plain decode tokens/s with graph replay (each token read back by the host, as
-//! a server must), the same without programmatic dependent launch, and with eager launches, and the verify-window curve (median wall time of a
-//! forward of 1–16 rows at the context, read back included).
+//! a server must), the same with programmatic dependent launch and with eager launches, the
+//! verify-window curve (median wall time of a forward of 1–16 rows at the context, read back
+//! included) with and without PDL, and each projection kernel's bandwidth alone.
 
 use std::time::Instant;
 
@@ -70,7 +71,7 @@ fn copy_gbps(gpu: &Gpu, mib: usize) -> Result<f64> {
 /// The projection kernel alone on one weight shape: launches back to back over a ring of
 /// weight copies larger than L2 (so each reads from memory), timed with events. Returns the
 /// microseconds of one launch and the weight bytes it streams per second.
-fn gemm_rate(gpu: &Gpu, wide: bool, rows: usize, n: usize, k: usize) -> Result<(f64, f64)> {
+fn gemm_rate(gpu: &Gpu, b4: bool, rows: usize, n: usize, k: usize) -> Result<(f64, f64)> {
     let bytes = 2 * n * k;
     let copies = (512usize << 20).div_ceil(bytes).clamp(2, 64);
     let ring: Vec<_> = (0..copies)
@@ -92,8 +93,8 @@ fn gemm_rate(gpu: &Gpu, wide: bool, rows: usize, n: usize, k: usize) -> Result<(
             [&mi, &ni, &ki, &mode]
                 .map(|p| std::ptr::from_ref(p).cast_mut().cast::<std::ffi::c_void>()),
         );
-        let (f, threads) = if wide {
-            (&gpu.kernels.skinny_gemm_w16, 512)
+        let (f, threads) = if b4 {
+            (&gpu.kernels.skinny_gemm_b4, 256)
         } else {
             (&gpu.kernels.skinny_gemm, 256)
         };
@@ -125,6 +126,8 @@ fn main() -> Result<()> {
     } else {
         args.bandwidth_gbps
     };
+    let (sms, fit, fit_b4) = gpu.occupancy();
+    println!("{sms} SMs; projection blocks an SM: {fit} (plain), {fit_b4} (b4)");
     let mut gemms = Vec::new();
     for (what, n, k) in [
         ("qkv", shape.qkv_width(), shape.hidden),
@@ -134,13 +137,18 @@ fn main() -> Result<()> {
         ("lm_head", shape.vocab, shape.hidden),
     ] {
         for rows in [1, 16] {
-            for warps in [8, 16] {
-                let (us, gb) = gemm_rate(&gpu, warps == 16, rows, n, k)?;
+            for b4 in [false, true] {
+                let (us, gb) = gemm_rate(&gpu, b4, rows, n, k)?;
+                let kernel = if b4 { "b4" } else { "plain" };
+                let picked =
+                    gpu.gemm_kernel(n).cu_function() == gpu.kernels.skinny_gemm_b4.cu_function();
+                let step_uses = picked == b4;
                 println!(
-                    "gemm {what:8} {n:6}x{k:5} rows {rows:2} warps {warps:2}: {us:8.2} us, {gb:6.0} GB/s ({:.0}% of copy)",
-                    100.0 * gb / gbps
+                    "gemm {what:8} {n:6}x{k:5} rows {rows:2} {kernel:5}: {us:8.2} us, {gb:6.0} GB/s ({:.0}% of copy){}",
+                    100.0 * gb / gbps,
+                    if step_uses { " <- step" } else { "" }
                 );
-                gemms.push(json!({"proj": what, "n": n, "k": k, "rows": rows, "warps": warps, "us": us, "gbps": gb}));
+                gemms.push(json!({"proj": what, "n": n, "k": k, "rows": rows, "kernel": kernel, "us": us, "gbps": gb, "step_uses": step_uses}));
             }
         }
     }
@@ -175,24 +183,31 @@ fn main() -> Result<()> {
     decode(&mut step, true, last)?; // warm-up
     let (graph_tps, graph_ids) = decode(&mut step, true, last)?;
     let (eager_tps, eager_ids) = decode(&mut step, false, last)?;
-    step.set_pdl(false);
-    decode(&mut step, true, last)?; // captures the graph without PDL
-    let (nopdl_tps, nopdl_ids) = decode(&mut step, true, last)?;
     step.set_pdl(true);
+    decode(&mut step, true, last)?; // captures the graph with PDL
+    let (pdl_tps, pdl_ids) = decode(&mut step, true, last)?;
+    step.set_pdl(false);
     for &w in &args.windows {
         step.capture(w)?;
     }
-    let mut curve = Vec::new();
-    for &w in &args.windows {
-        let tokens = &prompt[..w];
-        let mut times = Vec::new();
-        for _ in 0..args.reps + 2 {
-            let t = Instant::now();
-            step.forward(tokens, args.context, true)?;
-            times.push(t.elapsed().as_secs_f64() * 1e3);
+    let curve_of = |step: &mut Step| -> Result<Vec<(usize, f64)>> {
+        let mut curve = Vec::new();
+        for &w in &args.windows {
+            let tokens = &prompt[..w];
+            let mut times = Vec::new();
+            for _ in 0..args.reps + 2 {
+                let t = Instant::now();
+                step.forward(tokens, args.context, true)?;
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            curve.push((w, median(times[2..].to_vec())));
         }
-        curve.push((w, median(times[2..].to_vec())));
-    }
+        Ok(curve)
+    };
+    let curve = curve_of(&mut step)?;
+    step.set_pdl(true);
+    let curve_pdl = curve_of(&mut step)?;
+    step.set_pdl(false);
     let bytes = shape.step_weight_bytes() + shape.kv_bytes(args.context);
     let limit = gbps * 1e9 / bytes as f64;
     let one = curve.iter().find(|c| c.0 == 1).map_or(curve[0].1, |c| c.1);
@@ -206,13 +221,21 @@ fn main() -> Result<()> {
         "copy {gbps:.0} GB/s; step reads {:.3} GB; limit {limit:.0} tok/s",
         bytes as f64 / 1e9
     );
-    let same = graph_ids == eager_ids && graph_ids == nopdl_ids;
+    let same = graph_ids == eager_ids && graph_ids == pdl_ids;
     println!(
-        "decode (graph, PDL) {graph_tps:.1} tok/s = {:.1}% of the limit; graph without PDL {nopdl_tps:.1}; eager {eager_tps:.1}; same ids: {same}",
+        "decode (graph) {graph_tps:.1} tok/s = {:.1}% of the limit; graph with PDL {pdl_tps:.1}; eager {eager_tps:.1}; same ids: {same}",
         100.0 * graph_tps / limit
     );
-    for (w, ms) in &curve {
-        println!("window {w:2}: {ms:.3} ms ({:.2}x)", ms / one);
+    let one_pdl = curve_pdl
+        .iter()
+        .find(|c| c.0 == 1)
+        .map_or(curve_pdl[0].1, |c| c.1);
+    for ((w, ms), (_, np)) in curve.iter().zip(&curve_pdl) {
+        println!(
+            "window {w:2}: {ms:.3} ms ({:.2}x); with PDL {np:.3} ms ({:.2}x)",
+            ms / one,
+            np / one_pdl
+        );
     }
     let out = json!({
         "config": args.config,
@@ -225,11 +248,12 @@ fn main() -> Result<()> {
         "limit_tok_s": limit,
         "decode_tok_s": graph_tps,
         "decode_eager_tok_s": eager_tps,
-        "decode_no_pdl_tok_s": nopdl_tps,
+        "decode_pdl_tok_s": pdl_tps,
         "fraction_of_limit": graph_tps / limit,
-        "same_ids_graph_eager_no_pdl": same,
+        "same_ids_graph_eager_pdl": same,
         "windows": curve.iter().map(|(w, ms)| json!({"rows": w, "ms": ms, "ratio": ms / one})).collect::<Vec<_>>(),
         "gemm": gemms,
+        "windows_pdl": curve_pdl.iter().map(|(w, ms)| json!({"rows": w, "ms": ms, "ratio": ms / one_pdl})).collect::<Vec<_>>(),
         "load_s": load_s,
         "capture_ms": capture_ms,
     });
