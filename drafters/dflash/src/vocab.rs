@@ -151,21 +151,8 @@ pub fn select_rows(linear: &Linear, ids: &[u32]) -> Result<Linear, Error> {
             Linear::dense(sub, None).map_err(err)
         }
         Weight::Quantized(q) => {
-            let (rows, k) = q.shape().dims2().map_err(err)?;
-            let dtype = q.dtype();
-            let row_bytes = k / dtype.block_size() * dtype.type_size();
-            let data = q.data().map_err(err)?;
-            let mut out = Vec::with_capacity(ids.len() * row_bytes);
-            for &id in ids {
-                let id = id as usize;
-                if id >= rows {
-                    return Err(err(format!("row {id} of a {rows}-row weight")));
-                }
-                out.extend_from_slice(&data[id * row_bytes..][..row_bytes]);
-            }
-            let storage = QStorage::from_data(out.into(), &Device::Cpu, dtype).map_err(err)?;
-            let sub = QTensor::new(storage, (ids.len(), k)).map_err(err)?;
-            Linear::quantized(Arc::new(sub), None).map_err(err)
+            let sub = q.select_rows(ids).map_err(err)?;
+            Ok(Linear::from_qweight(Arc::new(sub), None).map_err(err)?)
         }
         Weight::Device(_) => Err(err("a draft vocabulary needs the weights on the CPU")),
     }

@@ -55,6 +55,14 @@ impl Linear {
         Self::new(weight, bias)
     }
 
+    /// A projection over an already packed quantized weight (e.g. [`qmatmul::QWeight::select_rows`]).
+    ///
+    /// # Errors
+    /// As [`Linear::quantized`].
+    pub fn from_qweight(weight: Arc<qmatmul::QWeight>, bias: Option<Tensor>) -> Result<Self> {
+        Self::new(Weight::Quantized(weight), bias)
+    }
+
     /// A dense projection over `weight` `[out, in]` (f32, f16 or bf16 are kept; other dtypes
     /// become f32).
     ///

@@ -109,6 +109,23 @@ impl KPacked {
         KPacked { n, k, data }
     }
 
+    /// The weight made of rows `ids` (row `i` is row `ids[i]`, bit for bit: lanes are copied).
+    /// Every id is below [`KPacked::rows`] (checked by the caller).
+    pub(super) fn select_rows(&self, ids: &[usize]) -> KPacked {
+        let mut spans = vec![(0, 2), (2 * LANES, 2)];
+        for sub in 0..8 {
+            spans.push((AT_SC + sub * LANES, 1));
+            spans.push((AT_M + sub * LANES, 1));
+        }
+        spans.extend((0..128 / 4).map(|c| (AT_Q + c * 4 * LANES, 4)));
+        let data = super::select_lanes(&self.data, self.k / QK_K * BLOCK, BLOCK, &spans, ids);
+        KPacked {
+            n: ids.len(),
+            k: self.k,
+            data,
+        }
+    }
+
     /// Output rows (the weight's `n`).
     pub(super) fn rows(&self) -> usize {
         self.n

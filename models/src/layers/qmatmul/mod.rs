@@ -125,6 +125,68 @@ impl QWeight {
     pub fn dtype(&self) -> GgmlDType {
         self.dtype
     }
+
+    /// The weight made of output rows `ids` (row `i` of the result is row `ids[i]`), in the same
+    /// storage and bit for bit: a drafter's lm_head restricted to a draft vocabulary.
+    ///
+    /// # Errors
+    /// If an id is past the weight's rows.
+    pub fn select_rows(&self, ids: &[u32]) -> Result<QWeight> {
+        let (n, k) = self.shape();
+        let ids: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
+        if let Some(&bad) = ids.iter().find(|&&i| i >= n) {
+            return Err(Error::InvalidRequest {
+                op: "qmatmul",
+                reason: format!("row {bad} of a {n}-row weight"),
+            });
+        }
+        let inner = match &self.inner {
+            Inner::Packed(p) => Inner::Packed(p.select_rows(&ids)),
+            Inner::KPacked(p) => Inner::KPacked(p.select_rows(&ids)),
+            Inner::Raw(w) => {
+                let row_bytes = k / self.dtype.block_size() * self.dtype.type_size();
+                let data = w.data()?;
+                let mut out = Vec::with_capacity(ids.len() * row_bytes);
+                for &id in &ids {
+                    out.extend_from_slice(&data[id * row_bytes..][..row_bytes]);
+                }
+                let storage = candle_core::quantized::QStorage::from_data(
+                    out.into(),
+                    &Device::Cpu,
+                    self.dtype,
+                )?;
+                Inner::Raw(Arc::new(QTensor::new(storage, (ids.len(), k))?))
+            }
+        };
+        Ok(QWeight {
+            dtype: self.dtype,
+            inner,
+        })
+    }
+}
+
+/// Copies lane `ids[i] % 16` of group `ids[i] / 16` into lane `i % 16` of group `i / 16` of a
+/// new packed buffer: `group_bytes` per group, `block_bytes` per block in a group, and in each
+/// block the lane's bytes at `base + lane * len` for every `(base, len)` of `spans`.
+fn select_lanes(
+    data: &[u8],
+    group_bytes: usize,
+    block_bytes: usize,
+    spans: &[(usize, usize)],
+    ids: &[usize],
+) -> Vec<u8> {
+    let mut out = vec![0u8; ids.len().div_ceil(LANES) * group_bytes];
+    for (i, &j) in ids.iter().enumerate() {
+        let (src, dst) = (j / LANES * group_bytes, i / LANES * group_bytes);
+        for b in (0..group_bytes).step_by(block_bytes) {
+            for &(base, len) in spans {
+                let from = src + b + base + (j % LANES) * len;
+                let to = dst + b + base + (i % LANES) * len;
+                out[to..to + len].copy_from_slice(&data[from..from + len]);
+            }
+        }
+    }
+    out
 }
 
 /// Elements per stored block of `dtype` (32, or 256 for the k-quants).

@@ -173,6 +173,30 @@ impl Packed {
         Packed { format, n, k, data }
     }
 
+    /// The weight made of rows `ids` (row `i` is row `ids[i]`, bit for bit: lanes are copied).
+    /// Every id is below [`Packed::rows`] (checked by the caller).
+    pub(super) fn select_rows(&self, ids: &[usize]) -> Packed {
+        let f = self.format;
+        let mut spans = vec![(0, 2)];
+        if f.stored_min {
+            spans.push((2 * LANES, 2));
+        }
+        spans.extend((0..f.chunks()).map(|c| (f.data_at() + c * 4 * LANES, 4)));
+        let data = super::select_lanes(
+            &self.data,
+            self.k / QK * f.block_bytes(),
+            f.block_bytes(),
+            &spans,
+            ids,
+        );
+        Packed {
+            format: f,
+            n: ids.len(),
+            k: self.k,
+            data,
+        }
+    }
+
     /// Output rows (the weight's `n`).
     pub(super) fn rows(&self) -> usize {
         self.n

@@ -256,3 +256,29 @@ fn k_quant_builds_agree() {
         }
     }
 }
+
+/// A weight restricted to some rows gives exactly those columns of the full product, for every
+/// type and path (a draft vocabulary's lm_head); an id past the rows is refused.
+#[test]
+fn selected_rows_give_the_full_products_columns() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let ids: [u32; 19] = [
+        39, 0, 17, 16, 15, 5, 5, 38, 1, 20, 33, 2, 31, 32, 8, 9, 24, 25, 3,
+    ];
+    for dtype in TYPES {
+        let (q, _) = weight(&mut rng, dtype);
+        let q = QWeight::new(Arc::new(q)).unwrap();
+        let sub = q.select_rows(&ids).unwrap();
+        assert_eq!(sub.shape(), (ids.len(), 512));
+        let xs = randn(&mut rng, (3, 512));
+        for isa in Isa::available() {
+            let full = bits(isa, &q, &xs);
+            let part = bits(isa, &sub, &xs);
+            for (r, row) in part.iter().enumerate() {
+                let want: Vec<u32> = ids.iter().map(|&j| full[r][j as usize]).collect();
+                assert_eq!(*row, want, "{dtype:?} {isa}: row {r}");
+            }
+        }
+        assert!(q.select_rows(&[40]).is_err(), "{dtype:?}: row 40 of 40");
+    }
+}
