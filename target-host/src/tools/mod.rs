@@ -406,10 +406,15 @@ impl Reply {
     }
 
     /// The whole reply `text` as content and calls.
-    pub fn split_whole(mut self, text: &str, stopped: bool) -> (String, Vec<parse::ParsedCall>) {
+    pub fn split_whole(self, text: &str, stopped: bool) -> (String, Vec<parse::ParsedCall>) {
+        parse::split(self.whole(text, stopped))
+    }
+
+    /// The whole reply `text` as pieces, in order.
+    pub fn whole(mut self, text: &str, stopped: bool) -> Vec<parse::Piece> {
         let mut pieces = self.push(text);
         pieces.extend(self.finish(stopped));
-        parse::split(pieces)
+        pieces
     }
 }
 
