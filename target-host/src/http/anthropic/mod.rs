@@ -81,6 +81,23 @@ struct MessageIn {
     content: Content,
 }
 
+/// Everything `/v1/messages` reads from a body before the model: the request, each message's
+/// blocks, the tools — for the property tests, which only care that it returns.
+#[cfg(test)]
+pub(super) fn parse_for_tests(body: &Value) -> bool {
+    let tools = ToolSet::from_anthropic(body.get("tools"), body.get("tool_choice")).is_ok();
+    let Ok(req) = parse_value::<MessagesRequest>(body) else {
+        return tools;
+    };
+    let system = req.system.as_ref().map(|s| text_of(s, "system").is_ok());
+    let messages = req
+        .messages
+        .iter()
+        .enumerate()
+        .all(|(i, m)| messages_of(i, &m.role, &m.content).is_ok());
+    tools && messages && system != Some(false)
+}
+
 /// An [`ApiError`] in Anthropic's shape.
 fn anthropic_error(e: &ApiError) -> Value {
     let kind = match e.status {
