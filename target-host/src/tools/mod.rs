@@ -1,7 +1,8 @@
 //! Tool (function) calling shared by `/v1/chat/completions` and `/v1/messages`: the tools a
 //! request offers and how the model may use them ([`ToolSet`]), checked from either API's JSON
 //! shape; the parser that turns `<tool_call>…</tool_call>` blocks in generated text back into
-//! calls, streamed or not ([`parse`]).
+//! calls, streamed or not ([`parse`]); the grammar that forces a call when `tool_choice` asks
+//! for one ([`ToolSet::forced_grammar`]).
 //!
 //! The call format is the Hermes / Qwen2.5 one, which Qwen2.5's chat template teaches and which
 //! the fallback prompt of templates without a tools branch (`specula_models::chat`) teaches too:
