@@ -50,16 +50,6 @@ def valid(name, arguments):
     return False
 
 
-@pytest.fixture(scope="module")
-def client():
-    return openai.OpenAI(base_url=BASE_URL + "/v1", api_key="unused")
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def ask(client, model, **kwargs):
     args = dict(
         model=model,
