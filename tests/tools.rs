@@ -249,7 +249,9 @@ fn forced_calls(model: &str, requests: &[(Value, &[&str])]) {
     let srv = Server::start_model(model, &["--drafter", "ngram", "--num-draft-tokens", "4"]);
     let mut drafted = 0;
     for (choice, names) in requests {
-        let body = forced_body(choice.clone(), false, json!({}));
+        // Fixed k: the adaptive controller may choose k = 0 on a loaded machine.
+        let on = json!({"speculative": {"adaptive": false, "num_draft_tokens": 4}});
+        let body = forced_body(choice.clone(), false, on);
         let r = srv.post(CHAT, &body);
         assert_eq!(r.status, 200, "{}", r.text());
         let v = r.json();
