@@ -1416,7 +1416,7 @@ fn anthropic_messages() {
         .collect();
     assert_eq!(
         &names[..3],
-        ["message_start", "content_block_start", "ping"],
+        ["message_start", "ping", "content_block_start"],
         "{raw}"
     );
     assert_eq!(
@@ -1453,16 +1453,15 @@ fn anthropic_messages() {
         );
     }
     // Errors in Anthropic's shape.
-    let r = post(
-        &json!({"model": "smollm2-135m", "max_tokens": 5, "tools": [],
-        "messages": [{"role": "user", "content": "hi"}]}),
-    );
+    let r = post(&json!({"model": "smollm2-135m", "max_tokens": 5,
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "messages": [{"role": "user", "content": "hi"}]}));
     assert_eq!(r.status, 400);
     let e = r.json();
     assert_eq!(e["type"], "error");
     assert_eq!(e["error"]["type"], "invalid_request_error");
     assert!(
-        e["error"]["message"].as_str().unwrap().contains("tools"),
+        e["error"]["message"].as_str().unwrap().contains("thinking"),
         "{e}"
     );
     let r = request(

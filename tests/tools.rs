@@ -5,7 +5,10 @@
 //! - forced calls (`tool_choice: "required"` and a named function) on SmolLM2 (no tools branch:
 //!   the fallback prompt) and Qwen: the call names a listed function, its arguments match the
 //!   schema, streamed deltas reassemble to the whole reply, and greedy output with speculation
-//!   (the n-gram drafter, drafting) equals the same request with speculation off.
+//!   (the n-gram drafter, drafting) equals the same request with speculation off;
+//! - Anthropic's `/v1/messages` with `tools`: `tool_use` blocks and `stop_reason: "tool_use"`,
+//!   whole and streamed (`content_block_start` of type `tool_use`, `input_json_delta`), forced
+//!   by `any` / `tool`, and the round trip with a `tool_result`.
 
 use serde_json::{json, Value};
 
@@ -246,7 +249,9 @@ fn forced_calls(model: &str, requests: &[(Value, &[&str])]) {
     let srv = Server::start_model(model, &["--drafter", "ngram", "--num-draft-tokens", "4"]);
     let mut drafted = 0;
     for (choice, names) in requests {
-        let body = forced_body(choice.clone(), false, json!({}));
+        // Fixed k: the adaptive controller may choose k = 0 on a loaded machine.
+        let on = json!({"speculative": {"adaptive": false, "num_draft_tokens": 4}});
+        let body = forced_body(choice.clone(), false, on);
         let r = srv.post(CHAT, &body);
         assert_eq!(r.status, 200, "{}", r.text());
         let v = r.json();
@@ -325,4 +330,231 @@ fn forced_tool_calls_on_qwen_through_its_template() {
             (named("add"), &["add"]),
         ],
     );
+}
+
+const MESSAGES: &str = "/v1/messages";
+
+/// [`weather_and_add`] in Anthropic's shape.
+fn anthropic_tools() -> Value {
+    Value::Array(
+        weather_and_add()
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| {
+                let f = &t["function"];
+                json!({"name": f["name"], "description": f["description"],
+                    "input_schema": f["parameters"]})
+            })
+            .collect(),
+    )
+}
+
+fn anthropic_body(choice: Value, extra: Value) -> Value {
+    let mut body = json!({"model": "smollm2-135m", "max_tokens": 96, "temperature": 0,
+        "messages": [{"role": "user",
+            "content": "What is 17 plus 25? Also, how is the weather in Paris?"}],
+        "tools": anthropic_tools(), "tool_choice": choice});
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    body
+}
+
+/// The `tool_use` blocks of a whole Anthropic reply as (id, name, input), checked to end
+/// with `stop_reason: "tool_use"`.
+fn tool_uses(v: &Value) -> Vec<(String, String, Value)> {
+    assert_eq!(v["stop_reason"], "tool_use", "{v}");
+    let uses: Vec<_> = v["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|b| b["type"] == "tool_use")
+        .map(|b| {
+            let id = b["id"].as_str().unwrap().to_string();
+            assert!(id.starts_with("toolu_"), "{v}");
+            (
+                id,
+                b["name"].as_str().unwrap().to_string(),
+                b["input"].clone(),
+            )
+        })
+        .collect();
+    assert!(!uses.is_empty(), "{v}");
+    uses
+}
+
+/// The blocks of a streamed Anthropic reply, rebuilt from its events as the client does:
+/// (type, name, input or text); and the stop reason. Checks every block opens, takes deltas
+/// of its own kind and closes in order.
+fn streamed_blocks(raw: &str) -> (Vec<(String, String, String)>, Value) {
+    let mut blocks: Vec<(String, String, String)> = Vec::new();
+    let mut open: Option<usize> = None;
+    let mut stop = Value::Null;
+    for d in sse_data(raw) {
+        let e: Value = serde_json::from_str(&d).unwrap();
+        match e["type"].as_str().unwrap() {
+            "content_block_start" => {
+                assert_eq!(open, None, "a block opened inside another: {raw}");
+                assert_eq!(e["index"], blocks.len(), "{raw}");
+                open = Some(blocks.len());
+                let b = &e["content_block"];
+                let name = b["name"].as_str().unwrap_or_default().to_string();
+                blocks.push((b["type"].as_str().unwrap().to_string(), name, String::new()));
+            }
+            "content_block_delta" => {
+                let i = e["index"].as_u64().unwrap() as usize;
+                assert_eq!(open, Some(i), "{raw}");
+                let delta = &e["delta"];
+                let piece = match (blocks[i].0.as_str(), delta["type"].as_str().unwrap()) {
+                    ("text", "text_delta") => delta["text"].as_str(),
+                    ("tool_use", "input_json_delta") => delta["partial_json"].as_str(),
+                    other => panic!("delta {other:?}: {raw}"),
+                };
+                blocks[i].2.push_str(piece.unwrap());
+            }
+            "content_block_stop" => {
+                assert_eq!(
+                    open.take(),
+                    e["index"].as_u64().map(|i| i as usize),
+                    "{raw}"
+                );
+            }
+            "message_delta" => stop = e["delta"]["stop_reason"].clone(),
+            _ => {}
+        }
+    }
+    assert_eq!(open, None, "{raw}");
+    (blocks, stop)
+}
+
+#[test]
+fn anthropic_tool_use_forced_streamed_and_round_trip_on_smollm2() {
+    let srv = Server::start_model("smollm2-135m", &["--drafter", "ngram"]);
+    for (choice, names) in [
+        (json!({"type": "any"}), &["get_weather", "add"][..]),
+        (json!({"type": "tool", "name": "add"}), &["add"][..]),
+        (
+            json!({"type": "any", "disable_parallel_tool_use": true}),
+            &["get_weather", "add"][..],
+        ),
+    ] {
+        let r = srv.post(MESSAGES, &anthropic_body(choice.clone(), json!({})));
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        let uses = tool_uses(&v);
+        if choice.get("disable_parallel_tool_use").is_some() {
+            assert_eq!(uses.len(), 1, "{v}");
+        }
+        for (_, name, input) in &uses {
+            assert!(names.contains(&name.as_str()), "{choice}: {v}");
+            assert!(valid_arguments(name, &input.to_string()), "{v}");
+        }
+        assert!(v["usage"]["output_tokens"].as_u64().unwrap() > 0);
+
+        // Streamed: the same blocks, a tool_use's input from its input_json_delta chunks.
+        let raw = srv
+            .post(
+                MESSAGES,
+                &anthropic_body(choice.clone(), json!({"stream": true})),
+            )
+            .text();
+        let (blocks, stop) = streamed_blocks(&raw);
+        assert_eq!(stop, "tool_use", "{raw}");
+        let whole: Vec<(String, String, String)> = v["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| match b["type"].as_str().unwrap() {
+                "tool_use" => (
+                    "tool_use".into(),
+                    b["name"].as_str().unwrap().into(),
+                    b["input"].to_string(),
+                ),
+                _ => (
+                    "text".into(),
+                    String::new(),
+                    b["text"].as_str().unwrap().into(),
+                ),
+            })
+            .collect();
+        let streamed: Vec<(String, String, String)> = blocks
+            .into_iter()
+            .map(|(kind, name, body)| match kind.as_str() {
+                // Compare inputs as JSON values: the same object, whatever its spacing.
+                "tool_use" => {
+                    let input: Value = serde_json::from_str(&body).unwrap();
+                    (kind, name, input.to_string())
+                }
+                _ => (kind, name, body),
+            })
+            .collect();
+        assert_eq!(streamed, whole, "{raw}");
+    }
+
+    // Round trip: the call and its result in the history; the reply is text.
+    let v = srv
+        .post(
+            MESSAGES,
+            &anthropic_body(json!({"type": "tool", "name": "add"}), json!({})),
+        )
+        .json();
+    let (id, name, input) = tool_uses(&v).remove(0);
+    let history = json!({"messages": [
+        {"role": "user", "content": "What is 17 plus 25?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": id, "name": name, "input": input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": id,
+            "content": [{"type": "text", "text": "42"}]}]}
+    ], "tool_choice": {"type": "auto"}, "max_tokens": 24});
+    let r = srv.post(MESSAGES, &anthropic_body(json!(null), history));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert!(
+        v["stop_reason"] == "end_turn" || v["stop_reason"] == "max_tokens",
+        "{v}"
+    );
+    assert_eq!(v["content"][0]["type"], "text", "{v}");
+    // The result is in the prompt: more input than the question alone.
+    assert!(v["usage"]["input_tokens"].as_u64().unwrap() > 60, "{v}");
+
+    // `none`: tools shown, the reply is text; bad tools are Anthropic 400s naming the field.
+    let v = srv
+        .post(
+            MESSAGES,
+            &anthropic_body(json!({"type": "none"}), json!({"max_tokens": 12})),
+        )
+        .json();
+    assert_ne!(v["stop_reason"], "tool_use", "{v}");
+    assert!(v["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|b| b["type"] == "text"));
+    for (extra, needle) in [
+        (json!({"tools": [{"name": "f"}]}), "tools[0].input_schema"),
+        (
+            json!({"tool_choice": {"type": "tool", "name": "nope"}}),
+            "nope",
+        ),
+        (
+            json!({"tool_choice": {"type": "sometimes"}}),
+            "tool_choice.type",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}),
+            "messages[0].content[0].tool_use_id",
+        ),
+    ] {
+        let r = srv.post(
+            MESSAGES,
+            &anthropic_body(json!({"type": "auto"}), extra.clone()),
+        );
+        assert_eq!(r.status, 400, "{extra}: {}", r.text());
+        let e = r.json();
+        assert_eq!(e["error"]["type"], "invalid_request_error");
+        assert!(
+            e["error"]["message"].as_str().unwrap().contains(needle),
+            "{extra}: {e}"
+        );
+    }
 }

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the `openai` Python client tests against a fresh `target-host serve`.
+# Runs the `openai` and `anthropic` Python client tests (chat, streaming, structured output,
+# tools) against a fresh `target-host serve`.
 #
 #   tests/python/run.sh [pytest args...]
 #

@@ -12,22 +12,9 @@ import subprocess
 import openai
 import pytest
 
-BASE_URL = os.environ["SPECULA_BASE_URL"]
 BIN = os.environ["SPECULA_BIN"]
 MODEL_PATH = os.environ["SPECULA_MODEL"]
 QUESTION = "What is the capital of France? Answer in one sentence."
-
-
-@pytest.fixture(scope="module")
-def client():
-    return openai.OpenAI(base_url=BASE_URL + "/v1", api_key="unused")
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    models = client.models.list()
-    assert len(models.data) == 1
-    return models.data[0].id
 
 
 def generate(*args):

@@ -3,30 +3,17 @@ schema (written by hand, and made by the client from a pydantic model with `pars
 `json_object`. Run through tests/python/run.sh (see test_openai_client.py)."""
 
 import json
-import os
 from typing import Literal
 
 import openai
 import pydantic
 import pytest
 
-BASE_URL = os.environ["SPECULA_BASE_URL"]
-
 
 class Person(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=24)
     age: int = pydantic.Field(ge=0, le=120)
     role: Literal["admin", "editor", "viewer"]
-
-
-@pytest.fixture(scope="module")
-def client():
-    return openai.OpenAI(base_url=BASE_URL + "/v1", api_key="unused")
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]

@@ -4,7 +4,9 @@
 //! With `tools`, the template renders them (or the fallback of a template without a tools
 //! branch does: `specula_models::chat`), and the reply is parsed for calls ([`crate::tools`]):
 //! `message.tool_calls` with `finish_reason: "tool_calls"`, streamed as OpenAI's
-//! `delta.tool_calls` (a call's id and name first, then its arguments).
+//! `delta.tool_calls` (a call's id and name first, then its arguments). `tool_choice:
+//! "required"` or a named function is forced by a grammar ([`ToolSet::forced_grammar`]) that
+//! runs on every verify row like `response_format`, so speculation stays on and lossless.
 
 use std::sync::Arc;
 

@@ -19,7 +19,7 @@ use super::{encode_rendered, AppState};
 
 /// `POST /tokenize` body.
 #[derive(Debug, Deserialize)]
-struct TokenizeRequest {
+pub(super) struct TokenizeRequest {
     model: Option<String>,
     prompt: Option<String>,
     /// Prepend BOS when the model uses one (default true, as vLLM).
@@ -38,7 +38,7 @@ const TOKENIZE_CHAT_FIELDS: &[&str] = &[
 
 /// `POST /detokenize` body.
 #[derive(Debug, Deserialize)]
-struct DetokenizeRequest {
+pub(super) struct DetokenizeRequest {
     model: Option<String>,
     tokens: Vec<i64>,
 }

@@ -1,7 +1,8 @@
 //! Tool (function) calling shared by `/v1/chat/completions` and `/v1/messages`: the tools a
 //! request offers and how the model may use them ([`ToolSet`]), checked from either API's JSON
 //! shape; the parser that turns `<tool_call>…</tool_call>` blocks in generated text back into
-//! calls, streamed or not ([`parse`]).
+//! calls, streamed or not ([`parse`]); the grammar that forces a call when `tool_choice` asks
+//! for one ([`ToolSet::forced_grammar`]).
 //!
 //! The call format is the Hermes / Qwen2.5 one, which Qwen2.5's chat template teaches and which
 //! the fallback prompt of templates without a tools branch (`specula_models::chat`) teaches too:
@@ -406,10 +407,15 @@ impl Reply {
     }
 
     /// The whole reply `text` as content and calls.
-    pub fn split_whole(mut self, text: &str, stopped: bool) -> (String, Vec<parse::ParsedCall>) {
+    pub fn split_whole(self, text: &str, stopped: bool) -> (String, Vec<parse::ParsedCall>) {
+        parse::split(self.whole(text, stopped))
+    }
+
+    /// The whole reply `text` as pieces, in order.
+    pub fn whole(mut self, text: &str, stopped: bool) -> Vec<parse::Piece> {
         let mut pieces = self.push(text);
         pieces.extend(self.finish(stopped));
-        parse::split(pieces)
+        pieces
     }
 }
 

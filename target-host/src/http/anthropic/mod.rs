@@ -5,9 +5,18 @@
 //! (`message_start`, `content_block_start`, `ping`, `content_block_delta`, `content_block_stop`,
 //! `message_delta`, `message_stop`; errors as an `error` event). Errors use Anthropic's body,
 //! `{"type": "error", "error": {"type", "message"}}`. Supported: `model`, `max_tokens`,
-//! `messages` (text content, string or blocks), `system`, `stop_sequences`, `stream`,
-//! `temperature` (0..=1), `top_p`, `top_k`, `metadata.user_id`, and Specula's `speculative`.
-//! Anything else (tools, images, thinking) is a 400 naming it.
+//! `messages` (string or `text` / `tool_use` / `tool_result` blocks: [`blocks`]), `system`,
+//! `stop_sequences`, `stream`, `temperature` (0..=1), `top_p`, `top_k`, `metadata.user_id`,
+//! `tools` and `tool_choice` (`auto`, `any`, `tool`, `none`; `any` and `tool` forced by the
+//! grammar as on `/v1/chat/completions`), and Specula's `speculative`. Anything else (images,
+//! thinking, server tools) is a 400 naming it.
+//!
+//! Calls in the reply are `tool_use` blocks with `stop_reason: "tool_use"`; streamed, each is a
+//! `content_block_start` of type `tool_use`, its input as `input_json_delta`, then
+//! `content_block_stop`. Blocks open as their content arrives (a reply that is only a call has
+//! no text block), so the stream describes exactly the blocks of the whole reply.
+
+mod blocks;
 
 use std::sync::Arc;
 
@@ -19,11 +28,15 @@ use serde_json::{json, Value};
 use specula_models::chat::{ChatMessage, RenderOptions};
 use specula_models::tokenizer::Tokenizer;
 
+use self::blocks::{messages_of, text_of, Content};
+use super::chat::{forced_constraint, tool_error};
 use super::error::{parse_value, ApiError, ApiJson};
 use super::request::{check_common, check_fields};
 use super::stream::{collect, sse, Chunks, TokenOut, Tracker};
 use super::{encode_rendered, new_id, AppState};
 use crate::generation::{FinishReason, Generation};
+use crate::tools::parse::{ParsedCall, Piece};
+use crate::tools::{call_id, Reply, ToolSet};
 
 const FIELDS: &[&str] = &[
     "model",
@@ -37,6 +50,8 @@ const FIELDS: &[&str] = &[
     "top_k",
     "metadata",
     "speculative",
+    "tools",
+    "tool_choice",
 ];
 
 #[derive(Debug, Deserialize)]
@@ -66,11 +81,21 @@ struct MessageIn {
     content: Content,
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum Content {
-    Text(String),
-    Blocks(Vec<Value>),
+/// Everything `/v1/messages` reads from a body before the model: the request, each message's
+/// blocks, the tools — for the property tests, which only care that it returns.
+#[cfg(test)]
+pub(super) fn parse_for_tests(body: &Value) -> bool {
+    let tools = ToolSet::from_anthropic(body.get("tools"), body.get("tool_choice")).is_ok();
+    let Ok(req) = parse_value::<MessagesRequest>(body) else {
+        return tools;
+    };
+    let system = req.system.as_ref().map(|s| text_of(s, "system").is_ok());
+    let messages = req
+        .messages
+        .iter()
+        .enumerate()
+        .all(|(i, m)| messages_of(i, &m.role, &m.content).is_ok());
+    tools && messages && system != Some(false)
 }
 
 /// An [`ApiError`] in Anthropic's shape.
@@ -101,30 +126,6 @@ pub async fn handler(
         Err(e) => {
             state.metrics.request("messages", e.status.as_u16());
             (e.status, axum::Json(anthropic_error(&e))).into_response()
-        }
-    }
-}
-
-fn text_of(content: &Content, param: &str) -> Result<String, ApiError> {
-    match content {
-        Content::Text(t) => Ok(t.clone()),
-        Content::Blocks(blocks) => {
-            let mut out = String::new();
-            for (j, b) in blocks.iter().enumerate() {
-                match (b["type"].as_str(), b["text"].as_str()) {
-                    (Some("text"), Some(t)) => out.push_str(t),
-                    (kind, _) => {
-                        return Err(ApiError::invalid(
-                            &format!("{param}[{j}]"),
-                            format!(
-                                "content block of type `{}` is not supported: only text",
-                                kind.unwrap_or("?")
-                            ),
-                        ))
-                    }
-                }
-            }
-            Ok(out)
         }
     }
 }
@@ -161,7 +162,9 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
             common[to] = v.clone();
         }
     }
-    let checked = check_common(state, &parse_value(&common)?)?;
+    let mut checked = check_common(state, &parse_value(&common)?)?;
+    let tools =
+        ToolSet::from_anthropic(body.get("tools"), body.get("tool_choice")).map_err(tool_error)?;
     if req.messages.is_empty() {
         return Err(ApiError::invalid("messages", "messages must not be empty"));
     }
@@ -176,8 +179,7 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
                 format!("unknown role `{}`: expected user or assistant", m.role),
             ));
         }
-        let content = text_of(&m.content, &format!("messages[{i}].content"))?;
-        messages.push(ChatMessage::new(m.role.clone(), content));
+        messages.extend(messages_of(i, &m.role, &m.content)?);
     }
     let template = state.engine.chat_template().ok_or_else(|| {
         ApiError::new(
@@ -186,6 +188,7 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
             "the model has no chat template",
         )
     })?;
+    let template_tools = tools.as_ref().map(ToolSet::template_tools);
     // A final assistant message is a prefill the reply continues, as Anthropic does.
     let prefill = messages.last().is_some_and(|m| m.role == "assistant");
     let opts = RenderOptions {
@@ -195,6 +198,7 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
         },
         continue_final_message: prefill,
         content_special: state.content_special,
+        tools: template_tools.as_ref(),
         ..RenderOptions::default()
     };
     let prompt = template.render_prompt(&messages, &opts).map_err(|e| {
@@ -206,7 +210,12 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
     super::check_prompt_size(state, &prompt.text(), "messages").await?;
     let prompt_ids = encode_rendered(state, prompt, "messages").await?;
     let input_tokens = prompt_ids.len();
+    // The client's stop sequences, for `stop_sequence` (not the one a single call adds).
     let stops = checked.stop.clone();
+    if let Some(stop) = tools.as_ref().and_then(ToolSet::stop) {
+        checked.stop.push(stop.to_string());
+    }
+    checked.grammar = forced_constraint(state, tools.as_ref(), false)?;
     let (gen_req, plan) = checked.into_request(state, prompt_ids, None, "messages")?;
     let rx = match super::admission::submit(state, "messages", gen_req) {
         Ok(rx) => rx,
@@ -221,18 +230,45 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
         stops,
         input_tokens,
         shown: 0,
+        reply: Reply::new(tools.as_ref()),
+        open_text: None,
+        blocks: 0,
+        calls: 0,
     };
     if plan.stream {
         return Ok(sse(rx, events, false, tracker).into_response());
     }
     let (generation, _) = collect(rx, tracker).await?;
-    let (stop_reason, stop_sequence) = events.stop(&generation);
+    let stopped = generation.finish_reason == FinishReason::Stop;
+    // The blocks in the reply's order: text runs and calls.
+    let mut content: Vec<Value> = Vec::new();
+    let mut calls = false;
+    for piece in events.reply.clone().whole(&generation.text, stopped) {
+        match piece {
+            Piece::Text(t) if t.is_empty() => {}
+            Piece::Text(t) => match content.last_mut() {
+                Some(last) if last["type"] == "text" => {
+                    let joined = format!("{}{t}", last["text"].as_str().unwrap_or_default());
+                    last["text"] = joined.into();
+                }
+                _ => content.push(json!({"type": "text", "text": t})),
+            },
+            Piece::Call(c) => {
+                calls = true;
+                content.push(tool_use_block(c, true));
+            }
+        }
+    }
+    if content.is_empty() {
+        content.push(json!({"type": "text", "text": ""}));
+    }
+    let (stop_reason, stop_sequence) = events.stop(&generation, calls);
     let body = json!({
         "id": std::mem::take(&mut events.id),
         "type": "message",
         "role": "assistant",
         "model": events.model,
-        "content": [{"type": "text", "text": generation.text}],
+        "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
         "usage": {"input_tokens": input_tokens, "output_tokens": generation.stats.generated_tokens},
@@ -247,13 +283,35 @@ struct MessageEvents {
     state: Arc<AppState>,
     stops: Vec<String>,
     input_tokens: usize,
-    /// Bytes of text streamed so far.
+    /// Bytes of generated text fed to `reply` so far.
     shown: usize,
+    /// Text and calls of the reply.
+    reply: Reply,
+    /// The index of the text block open now, if one is.
+    open_text: Option<usize>,
+    /// Blocks started so far (the next block's index).
+    blocks: usize,
+    /// Calls streamed so far.
+    calls: usize,
+}
+
+/// A call as a `tool_use` block; `with_input`: its input in the block (a whole reply), else
+/// `{}` (a stream's `content_block_start`, the input following as `input_json_delta`).
+fn tool_use_block(c: ParsedCall, with_input: bool) -> Value {
+    let input = match with_input {
+        true => Value::Object(c.arguments),
+        false => json!({}),
+    };
+    json!({"type": "tool_use", "id": call_id("toolu_"), "name": c.name, "input": input})
 }
 
 impl MessageEvents {
-    /// Anthropic's `stop_reason` and, when a stop sequence ended the text, which one.
-    fn stop(&self, g: &Generation) -> (&'static str, Option<String>) {
+    /// Anthropic's `stop_reason` and, when a stop sequence ended the text, which one; `calls`:
+    /// the reply holds tool calls.
+    fn stop(&self, g: &Generation, calls: bool) -> (&'static str, Option<String>) {
+        if calls {
+            return ("tool_use", None);
+        }
         match g.finish_reason {
             FinishReason::Length => ("max_tokens", None),
             FinishReason::Stop | FinishReason::Cancelled => {
@@ -274,6 +332,51 @@ fn stop_sequence(tok: &Tokenizer, g: &Generation, stops: &[String]) -> Option<St
     stops.iter().find(|s| rest.starts_with(s.as_str())).cloned()
 }
 
+impl MessageEvents {
+    /// The events of released pieces: text into the open text block (opened when needed), a
+    /// call as its own `tool_use` block after closing the text block.
+    fn pieces(&mut self, pieces: Vec<Piece>) -> Vec<Value> {
+        let mut out = Vec::new();
+        for p in pieces {
+            match p {
+                Piece::Text(text) if text.is_empty() => {}
+                Piece::Text(text) => {
+                    let index = match self.open_text {
+                        Some(i) => i,
+                        None => self.open_block(json!({"type": "text", "text": ""}), &mut out),
+                    };
+                    self.open_text = Some(index);
+                    out.push(json!({"type": "content_block_delta", "index": index,
+                        "delta": {"type": "text_delta", "text": text}}));
+                }
+                Piece::Call(call) => {
+                    self.close_text(&mut out);
+                    self.calls += 1;
+                    let input = call.arguments_json();
+                    let index = self.open_block(tool_use_block(call, false), &mut out);
+                    out.push(json!({"type": "content_block_delta", "index": index,
+                        "delta": {"type": "input_json_delta", "partial_json": input}}));
+                    out.push(json!({"type": "content_block_stop", "index": index}));
+                }
+            }
+        }
+        out
+    }
+
+    fn open_block(&mut self, block: Value, out: &mut Vec<Value>) -> usize {
+        let index = self.blocks;
+        self.blocks += 1;
+        out.push(json!({"type": "content_block_start", "index": index, "content_block": block}));
+        index
+    }
+
+    fn close_text(&mut self, out: &mut Vec<Value>) {
+        if let Some(index) = self.open_text.take() {
+            out.push(json!({"type": "content_block_stop", "index": index}));
+        }
+    }
+}
+
 impl Chunks for MessageEvents {
     fn start(&mut self) -> Vec<Value> {
         vec![
@@ -281,31 +384,29 @@ impl Chunks for MessageEvents {
                 "id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": [], "stop_reason": null, "stop_sequence": null,
                 "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}}),
-            json!({"type": "content_block_start", "index": 0,
-                "content_block": {"type": "text", "text": ""}}),
             json!({"type": "ping"}),
         ]
     }
 
     fn token(&mut self, token: TokenOut) -> Vec<Value> {
-        if token.text.is_empty() {
-            return Vec::new();
-        }
         self.shown += token.text.len();
-        vec![json!({"type": "content_block_delta", "index": 0,
-            "delta": {"type": "text_delta", "text": token.text}})]
+        let pieces = self.reply.push(&token.text);
+        self.pieces(pieces)
     }
 
     fn finish(&mut self, g: &Generation) -> Vec<Value> {
-        let mut out = Vec::new();
-        // Text the tokens held back comes before the block closes.
+        // Text the tokens held back (a stop-string prefix, a possible call) comes before the
+        // blocks close, so the stream holds exactly the blocks of the whole reply.
         let tail = g.text.get(self.shown..).unwrap_or_default();
-        if !tail.is_empty() {
-            out.push(json!({"type": "content_block_delta", "index": 0,
-                "delta": {"type": "text_delta", "text": tail}}));
+        let mut pieces = self.reply.push(tail);
+        pieces.extend(self.reply.finish(g.finish_reason == FinishReason::Stop));
+        let mut out = self.pieces(pieces);
+        if self.blocks == 0 {
+            // An empty reply is one empty text block, as the whole reply is.
+            self.open_text = Some(self.open_block(json!({"type": "text", "text": ""}), &mut out));
         }
-        let (stop_reason, stop_sequence) = self.stop(g);
-        out.push(json!({"type": "content_block_stop", "index": 0}));
+        self.close_text(&mut out);
+        let (stop_reason, stop_sequence) = self.stop(g, self.calls > 0);
         out.push(json!({"type": "message_delta",
             "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
             "usage": {"output_tokens": g.stats.generated_tokens}}));
