@@ -380,6 +380,7 @@ class Trainer:
             log(f"train: {per * 1000:.0f} ms/step -> {self.total} steps for {self.hp['train_seconds']} s")
         self.sched = Schedule(self.total)
         last_save, t_mark, s_mark, t_step = time.time(), time.time(), self.step, None
+        logged = self.step
         while self.step < self.total:
             if t_step is not None and time.time() + 2 * t_step + 15 > deadline:
                 drain()
@@ -393,7 +394,8 @@ class Trainer:
                 t_step = (now - t_mark) / max(1, self.step - s_mark)
                 self.elapsed += now - t_mark
                 t_mark, s_mark = now, self.step
-                if self.step % 100 == 0 or self.step == self.total:
+                if self.step // 100 > logged // 100 or self.step == self.total:  # flushes may straddle 100s
+                    logged = self.step
                     log("train: " + summary(self.history[-1], self.total) + f" | {t_step * 1000:.0f} ms/step")
                 if now - last_save > save_every_s:
                     self.save(ckpt)
