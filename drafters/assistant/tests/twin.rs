@@ -1,6 +1,6 @@
 //! The shipped SmolLM2 assistant (`drafters/weights/smollm2-135m/assistant`) against its PyTorch
-//! twin: on 5 of the 10 bench prompts the Rust drafter drafts the ids the twin drafted
-//! (`train/results/smollm2-135m/twin-drafts.json`, made by `train/specula_train/twin_drafts.py`
+//! twin: on every other bench prompt of the fixture the Rust drafter drafts the ids the twin
+//! drafted (`train/results/smollm2-135m/twin-drafts.json`, made by `train/specula_train/twin_drafts.py`
 //! from the same weight files, whose sha256 the fixture records and this test checks first).
 //!
 //! Each round pends at one position `a` of the twin's: the drafter opens a session on the prompt
