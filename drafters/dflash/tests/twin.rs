@@ -1,6 +1,6 @@
 //! The shipped SmolLM2 drafters (`drafters/weights/smollm2-135m/{dflash,dspark}`) against their
-//! PyTorch twins: on 5 bench prompts (one of each workload kind; the fixture has 10, halved to
-//! keep the test near half a minute), the Rust drafter drafts the ids the twin drafted
+//! PyTorch twins: on every other bench prompt of the fixture (3 prompts since the int8
+//! weights, `--cases 3`: a CPU-time limit), the Rust drafter drafts the ids the twin drafted
 //! (`train/results/smollm2-135m/twin-drafts.json`, made by `train/specula_train/twin_drafts.py`
 //! from the same weight files; the fixture records their sha256, checked first).
 //!
