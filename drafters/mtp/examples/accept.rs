@@ -18,12 +18,12 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use mtp::feed::{target_info, HostFeed};
 use mtp::{LinearDType, MtpDrafter, Options, WeightsSource};
 use serde_json::{json, Value};
 use specula_models::loader::{load, LoadOptions};
 use specula_models::{ForwardRequest, Rows, TapId, WeightDType};
-use specula_protocol::sdk::{CommitArgs, Drafter, OpenArgs, Taps};
-use specula_protocol::wire::{SamplingSpec, TargetInfo};
+use specula_protocol::sdk::Drafter;
 
 struct Args {
     model: PathBuf,
@@ -90,17 +90,7 @@ fn main() -> Result<()> {
     let loaded = load(&a.model, &opts).with_context(|| format!("load {}", a.model.display()))?;
     let (model, eos) = (&loaded.model, loaded.tokenizer.eos_ids().to_vec());
     let c = model.config();
-    let target = TargetInfo {
-        architecture: c.model_type.clone(),
-        vocab_size: c.vocab_size as u32,
-        hidden_size: c.hidden_size as u32,
-        num_layers: c.num_hidden_layers as u32,
-        num_kv_heads: c.kv_heads() as u32,
-        head_dim: c.head_dim() as u32,
-        weights_path: a.model.display().to_string(),
-        context_len: model.context_len() as u32,
-        ..TargetInfo::default()
-    };
+    let target = target_info(c, &a.model, model.context_len());
     let source = WeightsSource::Path(a.weights.clone());
     let mut d = MtpDrafter::new(
         source,
@@ -142,36 +132,18 @@ fn main() -> Result<()> {
             input = vec![next];
         }
         // h holds rows 0..seq.len()-1 (the last id is pending).
-        let rows = |from: usize, to: usize| &h[from * hidden..to * hidden];
+        let feed = HostFeed {
+            seq: &seq,
+            hiddens: &h,
+            hidden,
+        };
         let pending = prompt.len();
-        d.open(
-            session,
-            OpenArgs {
-                prompt: &seq[..=pending],
-                sampling: &SamplingSpec::greedy(),
-                taps: Some(Taps::from_f32(
-                    0,
-                    pending as u32,
-                    &[],
-                    Some(rows(0, pending)),
-                    &[],
-                )),
-            },
-        );
+        feed.open(&mut d, session, pending);
         let mut t_case = Tally::default();
         // The last window row is at t; its drafts are tokens t+2 and t+3.
         for t in pending - 1..seq.len().saturating_sub(2) {
             if t >= pending {
-                let taps = Taps::from_f32(t as u64, 1, &[], Some(rows(t, t + 1)), &[]);
-                d.commit(
-                    session,
-                    CommitArgs {
-                        drafted: 0,
-                        accepted: 0,
-                        ids: &seq[t + 1..t + 2],
-                        taps: Some(taps),
-                    },
-                );
+                feed.commit(&mut d, session, t, 1);
             }
             let start = Instant::now();
             let got = d.draft(session, &[], 2).tokens;

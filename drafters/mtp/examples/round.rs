@@ -13,12 +13,12 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use mtp::feed::{target_info, HostFeed};
 use mtp::{LinearDType, MtpDrafter, Options, WeightsSource};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use specula_models::drafter_support::TargetParts;
-use specula_protocol::sdk::{CommitArgs, Drafter, OpenArgs, Taps};
-use specula_protocol::wire::{SamplingSpec, TargetInfo};
+use specula_protocol::sdk::Drafter;
 
 fn main() -> Result<()> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
@@ -50,17 +50,7 @@ fn main() -> Result<()> {
     }
     let parts = TargetParts::open(&model, &candle_core::Device::Cpu)?;
     let c = &parts.config;
-    let target = TargetInfo {
-        architecture: c.model_type.clone(),
-        vocab_size: c.vocab_size as u32,
-        hidden_size: c.hidden_size as u32,
-        num_layers: c.num_hidden_layers as u32,
-        num_kv_heads: c.kv_heads() as u32,
-        head_dim: c.head_dim() as u32,
-        weights_path: model.display().to_string(),
-        context_len: (context + rounds * (accepted + 1) + 64) as u32,
-        ..TargetInfo::default()
-    };
+    let target = target_info(c, &model, context + rounds * (accepted + 1) + 64);
     let mut d = MtpDrafter::new(
         WeightsSource::Path(weights),
         Options {
@@ -78,40 +68,17 @@ fn main() -> Result<()> {
     let h: Vec<f32> = (0..total * hidden)
         .map(|_| rng.random::<f32>() * 3.4 - 1.7)
         .collect();
-    let rows = |from: usize, to: usize| &h[from * hidden..to * hidden];
-    d.open(
-        1,
-        OpenArgs {
-            prompt: &ids[..=context],
-            sampling: &SamplingSpec::greedy(),
-            taps: Some(Taps::from_f32(
-                0,
-                context as u32,
-                &[],
-                Some(rows(0, context)),
-                &[],
-            )),
-        },
-    );
+    let feed = HostFeed {
+        seq: &ids,
+        hiddens: &h,
+        hidden,
+    };
+    feed.open(&mut d, 1, context);
     let (mut pos, mut drafted) = (context, 0);
     let start = Instant::now();
     for _ in 0..rounds {
         let n = accepted + 1;
-        d.commit(
-            1,
-            CommitArgs {
-                drafted: k,
-                accepted,
-                ids: &ids[pos + 1..pos + 1 + n],
-                taps: Some(Taps::from_f32(
-                    pos as u64,
-                    n as u32,
-                    &[],
-                    Some(rows(pos, pos + n)),
-                    &[],
-                )),
-            },
-        );
+        feed.commit(&mut d, 1, pos, n);
         pos += n;
         drafted += d.draft(1, &[], k).tokens.len();
     }

@@ -15,11 +15,12 @@
 //!
 //! Modules: [`config`] (layout detection from `config.json` and tensor names, refusals),
 //! [`model`] (fusion, block, norms, head, the per-layer KV cache), [`state`] (one session:
-//! rebuild and recursion), [`weights`] (where the MTP tensors come from) and [`drafter`] (the
-//! SDK's `Drafter`).
+//! rebuild and recursion), [`weights`] (where the MTP tensors come from), [`drafter`] (the
+//! SDK's `Drafter`) and [`feed`] (replaying a sequence into a drafter as the host does).
 
 pub mod config;
 pub mod drafter;
+pub mod feed;
 pub mod model;
 pub mod state;
 pub mod weights;

@@ -9,13 +9,14 @@ use std::path::Path;
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
+use mtp::feed::{target_info, HostFeed};
 use mtp::{LinearDType, MtpDrafter, Options, WeightsSource};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use specula_models::testing::TinyModel;
 use specula_models::{load_model, ForwardRequest, LoadOptions, Model, Rows, TapId, WeightDType};
-use specula_protocol::sdk::{CommitArgs, Drafter, OpenArgs, Taps};
-use specula_protocol::wire::{SamplingSpec, TargetInfo};
+use specula_protocol::sdk::Drafter;
+use specula_protocol::wire::TargetInfo;
 
 /// A tiny llama target with a random DeepSeek-layout MTP layer `model.layers.{L}.*` (with its
 /// own `shared_head.head` when `own_head`).
@@ -58,18 +59,7 @@ fn tiny_with_mtp(seed: u64, own_head: bool) -> TinyModel {
 }
 
 fn info(model: &Model, path: &Path) -> TargetInfo {
-    let c = model.config();
-    TargetInfo {
-        architecture: c.model_type.clone(),
-        vocab_size: c.vocab_size as u32,
-        hidden_size: c.hidden_size as u32,
-        num_layers: c.num_hidden_layers as u32,
-        num_kv_heads: c.kv_heads() as u32,
-        head_dim: c.head_dim() as u32,
-        weights_path: path.display().to_string(),
-        context_len: model.context_len() as u32,
-        ..TargetInfo::default()
-    }
+    target_info(model.config(), path, model.context_len())
 }
 
 fn f32_model(path: &Path) -> Model {
@@ -112,33 +102,16 @@ fn drafts(target: &TargetInfo, seq: &[u32], h: &[f32], hidden: usize) -> Vec<Vec
     .expect("options");
     d.accept_target(target)
         .expect("the MTP layer is found in the target's file");
-    let rows = |from: usize, to: usize| &h[from * hidden..to * hidden];
+    let feed = HostFeed {
+        seq,
+        hiddens: h,
+        hidden,
+    };
     let pending = 8;
-    d.open(
-        1,
-        OpenArgs {
-            prompt: &seq[..=pending],
-            sampling: &SamplingSpec::greedy(),
-            taps: Some(Taps::from_f32(
-                0,
-                pending as u32,
-                &[],
-                Some(rows(0, pending)),
-                &[],
-            )),
-        },
-    );
+    feed.open(&mut d, 1, pending);
     let mut out = vec![d.draft(1, &[], 3).tokens];
     for t in pending..seq.len() - 1 {
-        d.commit(
-            1,
-            CommitArgs {
-                drafted: 0,
-                accepted: 0,
-                ids: &seq[t + 1..t + 2],
-                taps: Some(Taps::from_f32(t as u64, 1, &[], Some(rows(t, t + 1)), &[])),
-            },
-        );
+        feed.commit(&mut d, 1, t, 1);
         out.push(d.draft(1, &[], 3).tokens);
     }
     out
