@@ -12,6 +12,7 @@ pub mod chat;
 pub mod config;
 pub mod drafter_support;
 pub mod error;
+pub mod int8;
 pub mod kv_cache;
 pub mod kv_pool;
 pub mod layers;

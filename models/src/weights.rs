@@ -261,6 +261,21 @@ impl Weights {
                     path: self.path.clone(),
                     reason: format!("tensor {hf}: {e}"),
                 })?;
+                if t.dtype() == DType::U8 {
+                    // Specula's int8 drafter weights (crate::int8): a scale per row beside them.
+                    let invalid = |reason: String| Error::InvalidModel {
+                        path: self.path.clone(),
+                        reason,
+                    };
+                    let scale = st
+                        .load(&format!("{hf}{}", crate::int8::SCALE_SUFFIX), &self.device)
+                        .map_err(|_| {
+                            invalid(crate::int8::Int8Error::NoScale(hf.into()).to_string())
+                        })?;
+                    let w = crate::int8::dequantize_rows(hf, &t, &scale)
+                        .map_err(|e| invalid(e.to_string()))?;
+                    return Ok(Raw::Dense(dense(w)?));
+                }
                 if !matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16) {
                     return Err(Error::UnsupportedQuant {
                         tensor: hf.to_string(),

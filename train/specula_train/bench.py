@@ -89,15 +89,16 @@ def bench_train(t: Target, dev, work: Path, steps: int, profile: bool, args):
     configs = configs_for(t.cfg, args)
     for tpb in [int(x) for x in args.tokens_per_batch.split(",")]:
         hp = {
-            "seed": 0, "lr": {"dflash": 6e-4, "dspark": 6e-4, "mtp": 5e-4}, "gamma": {"dflash": 4.0, "dspark": 4.0},
-            "anchors": args.anchors, "tokens_per_batch": tpb, "rows_per_batch": 48,
+            "seed": 0, "lr": {"dflash": 6e-4, "dspark": 6e-4, "mtp": 5e-4, "assistant": 6e-4},
+            "gamma": {"dflash": 4.0, "dspark": 4.0, "assistant": 4.0}, "anchors": args.anchors,
+            "assistant_steps": args.assistant_steps, "assistant_anchors": args.assistant_anchors, "tokens_per_batch": tpb, "rows_per_batch": 48,
             "train_seconds": 0, "steps": 10_000,
         }
         for cached in (False, True):
             if dev != "cpu":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            tr = Trainer(t, data, ["dflash", "dspark", "mtp"], configs, hp, dev)
+            tr = Trainer(t, data, args.kinds.split(","), configs, hp, dev)
             if cached:
                 tr.cache_target_states(log=print)
             for _ in range(3):
@@ -110,7 +111,7 @@ def bench_train(t: Target, dev, work: Path, steps: int, profile: bool, args):
             dt = (time.time() - t0) / steps
             toks = sum(r["tokens"] for r in recs) / steps
             peak = torch.cuda.max_memory_allocated() / 2**30 if dev != "cpu" else 0
-            print(f"train all kinds, {tpb} tokens/batch, target states cached {cached}: {dt * 1000:.0f} ms/step, "
+            print(f"train {args.kinds}, {tpb} tokens/batch, target states cached {cached}: {dt * 1000:.0f} ms/step, "
                   f"{toks:.0f} tokens/step, {toks / dt:.0f} tokens/s, peak {peak:.1f} GiB", flush=True)
             if profile and cached and dev != "cpu":
                 from torch.profiler import ProfilerActivity, profile as prof
@@ -139,6 +140,12 @@ def main():
     ap.add_argument("--tokens-per-batch", default="24576", help="comma-separated: one timing each")
     ap.add_argument("--sequences", type=int, default=2000)
     ap.add_argument("--anchors", type=int, default=32)
+    ap.add_argument("--kinds", default="dflash,dspark,mtp,assistant")
+    ap.add_argument("--assistant-layers", type=int, default=2)
+    ap.add_argument("--assistant-inter", type=int, default=1536)
+    ap.add_argument("--assistant-heads", type=int, default=9)
+    ap.add_argument("--assistant-steps", type=int, default=7)
+    ap.add_argument("--assistant-anchors", type=int, default=48)
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -16,6 +16,15 @@ the previous token, and a confidence head `confidence_head.proj` Linear(H + r, 1
 MTP (DeepSeek-V3 layout): `eh_proj([enorm(embed(x_{t+1})) ; hnorm(h_t)])` -> one llama decoder
 block of the target's shape (causal, its own KV) -> `shared_head.norm` -> the target's lm_head;
 h_t is the target's final-norm output at position t, the block runs at position t.
+
+Assistant (transformers `Gemma4AssistantForCausalLM`; the Rust port is `drafters/assistant`,
+the format `ASSISTANT-FORMAT.md`): no K/V projections. A draft step at the pending position P
+is `x = pre_projection([embed(tok) ; h])`, then per layer q-only attention (`q_norm`, RoPE at P,
+scale 1.0) over the target's last-layer K (roped) and V of positions < P, sandwich norms, a
+GELU-tanh MLP and `layer_scalar`; `y = norm(x)`, logits = the target's lm_head(y), and the next
+step's h is `post_projection(y)`, at the same position P over the same rows. Step 1 takes the
+pending token and the target's final-norm hidden at P-1. The queries never see each other, so
+training and evaluation run every position of a sequence at once.
 """
 
 from __future__ import annotations
@@ -218,6 +227,133 @@ class MTP(nn.Module):
         y = x2 + att.o_proj(a.transpose(1, 2).reshape(B, T, -1))
         y = y + self.mlp(self.post_attention_layernorm(y))
         return self.shared_head.norm(y)
+
+
+class GeluMLP(MLP):
+    """Gemma's gated MLP: down(gelu_tanh(gate(x)) * up(x))."""
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class AssistantLayer(nn.Module):
+    """One Gemma 4 assistant layer: q-only attention over donor K/V, sandwich norms."""
+
+    def __init__(self, tc: dict):
+        super().__init__()
+        H, eps = tc["hidden_size"], tc["rms_norm_eps"]
+        self.heads, self.head_dim = tc["num_attention_heads"], tc["head_dim"]
+        self.input_layernorm = RMSNorm(H, eps)
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(H, self.heads * self.head_dim, bias=False)
+        self.self_attn.q_norm = RMSNorm(self.head_dim, eps)
+        self.self_attn.o_proj = nn.Linear(self.heads * self.head_dim, H, bias=False)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.pre_feedforward_layernorm = RMSNorm(H, eps)
+        self.mlp = GeluMLP(H, tc["intermediate_size"])
+        self.post_feedforward_layernorm = RMSNorm(H, eps)
+        self.register_buffer("layer_scalar", torch.ones(1))
+
+    def forward(self, x, k, v, rope, mask):
+        """x [B,A,H] queries; k, v [B,kv_heads,T,hd] donor rows; rope (cos, sin) [B,A,hd];
+        mask [B,1,A,T] (True = visible)."""
+        B, A, _ = x.shape
+        att = self.self_attn
+        q = att.q_norm(att.q_proj(self.input_layernorm(x)).view(B, A, self.heads, self.head_dim))
+        q = apply_rope(q.transpose(1, 2), *rope)
+        a = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=True, scale=1.0)
+        x = x + self.post_attention_layernorm(att.o_proj(a.transpose(1, 2).reshape(B, A, -1)))
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x * self.layer_scalar.to(x.dtype)
+
+
+class Assistant(nn.Module):
+    """The Gemma 4 assistant for a llama donor (its own lm_head omitted: the target's is used)."""
+
+    def __init__(self, c: dict):
+        super().__init__()
+        self.config = c
+        tc, Hb = c["text_config"], c["backbone_hidden_size"]
+        H = tc["hidden_size"]
+        self.pre_projection = nn.Linear(2 * Hb, H, bias=False)
+        self.post_projection = nn.Linear(H, Hb, bias=False)
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(AssistantLayer(tc) for _ in range(tc["num_hidden_layers"]))
+        self.model.norm = RMSNorm(H, tc["rms_norm_eps"])
+        theta = tc["rope_parameters"]["full_attention"]["rope_theta"]
+        cos, sin = rope_tables(tc["head_dim"], theta, tc["max_position_embeddings"], "cpu")
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def step(self, e, h, pos, k, v, mask):
+        """One draft step for queries [B,A]: e = embed(token), h = the target's final hidden (step
+        1) or the last step's projection, both [B,A,Hb]; pos [B,A] the pending positions.
+        Returns (y [B,A,H] for the lm_head, post_projection(y) [B,A,Hb] for the next step)."""
+        x = self.pre_projection(torch.cat([e, h], -1))
+        rope = (self.cos[pos], self.sin[pos])
+        for layer in self.model.layers:
+            x = layer(x, k, v, rope, mask)
+        y = self.model.norm(x)
+        return y, self.post_projection(y)
+
+    def unroll(self, tokens, h0, pos, k, v, mask, steps):
+        """`steps` chained draft steps; tokens [B,A,steps,Hb] are the embedded step inputs (the
+        pending token, then each previous draft). Returns the list of y per step."""
+        ys, h = [], h0
+        for j in range(steps):
+            y, h = self.step(tokens[..., j, :], h, pos, k, v, mask)
+            ys.append(y)
+        return ys
+
+
+def assistant_mask(pos: torch.Tensor, T: int) -> torch.Tensor:
+    """[B,1,A,T]: query at pending position P sees the donor rows 0..P-1 (the pending token has
+    no K/V yet). A query at P = 0 sees row 0, so no row is empty (it is never scored)."""
+    j = torch.arange(T, device=pos.device)
+    return ((j[None, None, :] < pos[:, :, None]) | (j == 0))[:, None]
+
+
+def assistant_config(target, layers, inter, heads) -> dict:
+    """The `config.json` `drafters/assistant` reads for a llama donor (ASSISTANT-FORMAT.md)."""
+    return {
+        "architectures": ["Gemma4AssistantForCausalLM"],
+        "model_type": "gemma4_assistant",
+        "backbone_hidden_size": target.hidden_size,
+        "use_ordered_embeddings": False,
+        "tie_word_embeddings": True,
+        "text_config": {
+            "model_type": "gemma4_text",
+            "hidden_size": target.hidden_size,
+            "num_hidden_layers": layers,
+            "num_kv_shared_layers": layers,
+            "layer_types": ["full_attention"] * layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": target.num_kv_heads,
+            "head_dim": target.head_dim,
+            "global_head_dim": target.head_dim,
+            "intermediate_size": inter,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rms_norm_eps": target.rms_norm_eps,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": target.rope_theta},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            "max_position_embeddings": target.max_position_embeddings,
+            "vocab_size": target.vocab_size,
+            "sliding_window": 512,
+            "attention_k_eq_v": False,
+            "enable_moe_block": False,
+            "use_double_wide_mlp": False,
+        },
+        "specula_donor": {
+            "layer": target.num_layers - 1,
+            "k": "the target's K after RoPE (Hugging Face half-split layout), no k-norm",
+            "embed": "the target's input embedding, unscaled (llama)",
+            "lm_head": "the target's (tied embed_tokens); model.embed_tokens is not stored",
+            "positions": "every step of a round at the pending position P over donor rows 0..P-1",
+        },
+        "torch_dtype": "bfloat16",
+    }
 
 
 def block_mask(anchors: torch.Tensor, valid: torch.Tensor, T: int, block: int) -> torch.Tensor:

@@ -11,6 +11,11 @@ Reported per tag: tau (mean accepted per round, bonus excluded and included), ac
 draft position (given the position was reached, and cumulative), rounds. MTP: first-token
 acceptance (h_t and token t+1 -> token t+2, exactly the draft after every verify) and the
 depth-2 chained acceptance given the first was accepted.
+
+Assistant: its drafts at a pending position depend only on that position (never on earlier
+rounds), and while they are accepted they equal the continuation, so the drafts accepted at
+every position come from one teacher-forced unroll over the whole sequence; the rounds then
+walk a -> a + accepted + 1 as above.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections import defaultdict
 
 import torch
 
-from .drafters import block_mask
+from .drafters import assistant_mask, block_mask
 
 
 def _groups(data, rows):
@@ -126,6 +131,53 @@ def evaluate_block(kind, m, target, data, device) -> dict:
             "mean_conf_reached": [cs[:, k][reached[:, k]].mean().item() for k in range(cs.shape[1])],
             "accept_rate_reached": [ok[:, k][reached[:, k]].mean().item() for k in range(cs.shape[1])],
         }
+    m.train()
+    return out
+
+
+@torch.no_grad()
+def assistant_accepted(m, target, ids, lens, n_draft: int):
+    """(accepted [B,T], drafted [B,T]): greedy drafts accepted in a round pending at each
+    position, and how many drafts that round has room for."""
+    B, T = ids.shape
+    H = target.cfg.hidden_size
+    _, final, kv = target.forward_kv(ids, [], target.cfg.num_layers - 1)
+    pos = torch.arange(T, device=ids.device).expand(B, T)
+    mask = assistant_mask(pos, T)
+    h = final.gather(1, (pos - 1).clamp(min=0)[:, :, None].expand(B, T, H)).float()
+    alive = torch.ones(B, T, dtype=torch.bool, device=ids.device)
+    acc = torch.zeros(B, T, dtype=torch.long, device=ids.device)
+    for j in range(n_draft):
+        e = target.embed[ids.gather(1, (pos + j).clamp(max=T - 1))].float()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):
+            y, h = m.step(e, h, pos, *kv, mask)
+            d = (y @ target.lm_head.T.to(y.dtype)).argmax(-1)
+        want = ids.gather(1, (pos + j + 1).clamp(max=T - 1))
+        alive = alive & (d == want) & (pos + j + 1 < lens[:, None])
+        acc += alive
+        h = h.float()
+    drafted = (lens[:, None] - 1 - pos).clamp(min=0, max=n_draft)
+    return acc, drafted
+
+
+@torch.no_grad()
+def evaluate_assistant(m, target, data, device, n_draft: int = 7, chunk: int = 16) -> dict:
+    rows = data.indices("heldout") + data.indices("bench")
+    m.eval()
+    res = {}
+    for c in range(0, len(rows), chunk):
+        part = rows[c : c + chunk]
+        ids, lens, plens = data.batch(part, device)
+        acc, drafted = (x.cpu() for x in assistant_accepted(m, target, ids, lens, n_draft))
+        for b, i in enumerate(part):
+            a, L, rounds = int(plens[b]), int(lens[b]), []
+            while a < L - 1:
+                rounds.append((int(acc[b, a]), int(drafted[b, a])))
+                a += int(acc[b, a]) + 1
+            res[i] = rounds
+    out = {g: summarize_rounds({i: res[i] for i in rs}, n_draft) for g, rs in _groups(data, rows).items()}
+    out["heldout/all"] = summarize_rounds({i: res[i] for i in data.indices("heldout")}, n_draft)
+    out["bench/all"] = summarize_rounds({i: res[i] for i in data.indices("bench")}, n_draft)
     m.train()
     return out
 

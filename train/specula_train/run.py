@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from . import evaluate, export, gen
-from .drafters import dflash_config, mtp_config, param_count
+from .drafters import assistant_config, dflash_config, mtp_config, param_count
 from .target import Target, TargetConfig, load_gguf
 
 
@@ -36,6 +36,7 @@ def configs_for(tc: TargetConfig, a) -> dict:
         "dflash": dflash_config(tc, a.layers, a.inter, taps, 8),
         "dspark": dflash_config(tc, a.layers, a.inter, taps, 7, dspark_extra),
         "mtp": mtp_config(tc),
+        "assistant": assistant_config(tc, a.assistant_layers, a.assistant_inter, a.assistant_heads),
     }
 
 
@@ -60,7 +61,7 @@ def plot(history: list[dict], path: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kinds = [k for k in ("dflash", "dspark", "mtp") if history and k in history[0]]
+    kinds = [k for k in ("dflash", "dspark", "mtp", "assistant") if history and k in history[0]]
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
     for k in kinds:
         steps = [r["step"] for r in history]
@@ -100,11 +101,21 @@ def main():
     ap.add_argument("--inter", type=int, default=768)
     ap.add_argument("--taps", type=int, default=3)
     ap.add_argument("--markov-rank", type=int, default=16)
+    ap.add_argument("--assistant-layers", type=int, default=2)
+    ap.add_argument("--assistant-inter", type=int, default=1536)
+    ap.add_argument("--assistant-heads", type=int, default=9)
+    ap.add_argument("--assistant-steps", type=int, default=7, help="chained draft steps trained")
+    ap.add_argument("--assistant-anchors", type=int, default=48, help="pending positions per sequence a step")
+    ap.add_argument("--quant", choices=["int8", "bf16"], default="int8",
+                    help="export format: int8 matrices with a scale per row (export.py), or bf16")
+    ap.add_argument("--init", default="", help="KIND=DIR[,KIND=DIR]: start those kinds from exported weights "
+                    "(e.g. mtp=drafters/weights/<target>/mtp) instead of random")
     # training
     ap.add_argument("--train-seconds", type=float, default=720)
     ap.add_argument("--steps", type=int, help="fixed step count (default: sized from --train-seconds)")
     ap.add_argument("--tokens-per-batch", type=int, default=24576)
     ap.add_argument("--anchors", type=int, default=32)
+    ap.add_argument("--tag-repeat", default="", help="e.g. chat=2,summarise=2: those prompts twice per epoch")
     ap.add_argument("--no-cache-states", dest="cache_states", action="store_false",
                     help="run the target every step instead of caching its taps on the device")
     a = ap.parse_args()
@@ -134,15 +145,17 @@ def main():
     t0 = time.time()
     target = load_target(a.gguf, a.work, device)
     spent("load_target", t0)
-    prompts = a.prompts
+    prompts, responses = a.prompts, a.responses
     if a.limit:
         prompts = limit_prompts(a.prompts, a.work, a.limit)
+        if responses:
+            responses = limit_responses(responses, prompts, a.work)
 
     status = {"stage": "data"}
     # -------- data
     data_path = a.work / "data.pt"
-    if not data_path.exists() and a.responses:
-        gen.merge(prompts, a.work, a.sampled_frac, a.seed, responses=a.responses)
+    if not data_path.exists() and responses:
+        gen.merge(prompts, a.work, a.sampled_frac, a.seed, responses=responses)
         log(f"data: answers from {a.responses}")
     if not data_path.exists():
         t0 = time.time()
@@ -156,7 +169,7 @@ def main():
         if not done:
             return finish(a, status, log, timing)
     data = gen.Data(data_path)
-    if not (a.out / "responses.npz").exists():  # brought back, so later sessions need not generate
+    if not a.responses and not (a.out / "responses.npz").exists():  # brought back: later sessions need not generate
         import shutil
 
         shutil.copy(a.work / "responses.npz", a.out / "responses.npz")
@@ -168,8 +181,10 @@ def main():
 
     configs = configs_for(target.cfg, a)
     hp = {
-        "seed": a.seed, "lr": {"dflash": 6e-4, "dspark": 6e-4, "mtp": 5e-4},
-        "gamma": {"dflash": 4.0, "dspark": 4.0}, "anchors": a.anchors,
+        "seed": a.seed, "lr": {"dflash": 6e-4, "dspark": 6e-4, "mtp": 5e-4, "assistant": 6e-4},
+        "gamma": {"dflash": 4.0, "dspark": 4.0, "assistant": 4.0}, "anchors": a.anchors,
+        "assistant_steps": a.assistant_steps, "assistant_anchors": a.assistant_anchors, "init": dict(x.split("=", 1) for x in a.init.split(",") if x),
+        "tag_repeat": {t: int(n) for t, n in (x.split("=") for x in a.tag_repeat.split(",") if x)},
         "tokens_per_batch": a.tokens_per_batch, "rows_per_batch": 48,
         "train_seconds": a.train_seconds, "steps": a.steps,
     }
@@ -211,7 +226,12 @@ def main():
             return finish(a, status, log, timing)
         t0 = time.time()
         m = tr.models[k]
-        metrics[k] = evaluate.evaluate_mtp(m, target, data, device) if k == "mtp" else evaluate.evaluate_block(k, m, target, data, device)
+        if k == "mtp":
+            metrics[k] = evaluate.evaluate_mtp(m, target, data, device)
+        elif k == "assistant":
+            metrics[k] = evaluate.evaluate_assistant(m, target, data, device)
+        else:
+            metrics[k] = evaluate.evaluate_block(k, m, target, data, device)
         spent(f"eval_{k}", t0)
         metrics_path.write_text(json.dumps(metrics, indent=1))
         log(f"eval {k}: " + json.dumps(headline(k, metrics[k])))
@@ -227,7 +247,8 @@ def main():
     }
     for k in kinds:
         d = a.work / "export" / k
-        info = export.write(k, tr.models[k], configs[k], target.cfg, fp, d, recipe(k, summary))
+        quant = None if a.quant == "bf16" else a.quant
+        info = export.write(k, tr.models[k], configs[k], target.cfg, fp, d, recipe(k, summary), quant)
         summary.setdefault("export", {})[k] = info
         with tarfile.open(a.out / f"{k}.tar", "w") as t:
             for n in ("config.json", "model.safetensors", "SHA256SUMS", "RECIPE.md"):
@@ -255,6 +276,11 @@ def recipe(kind: str, s: dict) -> str:
         f"--gguf ... --prompts ... --kinds {a['kinds']} --seed {a['seed']} --max-new {a['max_new']} "
         f"--sampled-frac {a['sampled_frac']} --temperature {a['temperature']} --layers {a['layers']} "
         f"--inter {a['inter']} --taps {a['taps']} --markov-rank {a['markov_rank']} "
+        f"--assistant-layers {a['assistant_layers']} --assistant-inter {a['assistant_inter']} "
+        f"--assistant-heads {a['assistant_heads']} --assistant-steps {a['assistant_steps']} "
+        f"--assistant-anchors {a['assistant_anchors']} --quant {a['quant']} "
+        + (f"--tag-repeat {a['tag_repeat']} " if a.get("tag_repeat") else "")
+        + (f"--init {a['init']} " if a.get("init") else "")
         + (f"--steps {a['steps']} " if a.get("steps") else f"--train-seconds {a['train_seconds']} ")
         + f"--tokens-per-batch {a['tokens_per_batch']} --anchors {a['anchors']}",
         "```", "",
@@ -296,8 +322,19 @@ def limit_prompts(src: Path, work: Path, n: int) -> Path:
         nid.extend(ids[off[i] : off[i + 1]].tolist())
         noff.append(len(nid))
     np.savez(out / "prompts.npz", ids=np.array(nid, dtype=np.uint16), offsets=np.array(noff),
-             tags=tags[keep], splits=splits[keep])
+             tags=tags[keep], splits=splits[keep], kept=np.array(keep))
     (out / "prompts.meta.json").write_text((src / "prompts.meta.json").read_text())
+    return out
+
+
+def limit_responses(src: Path, limited: Path, work: Path) -> Path:
+    """The answers of a limited prompt set's prompts, cut from a full set's responses.npz."""
+    import numpy as np
+
+    out = work / "responses-limited.npz"
+    keep = np.load(limited / "prompts.npz")["kept"]
+    resp = gen.load_responses(src, int(np.load(src)["offsets"].shape[0] - 1))
+    gen.save_responses({j: resp[int(i)] for j, i in enumerate(keep)}, len(keep), out)
     return out
 
 

@@ -188,17 +188,26 @@ class Target:
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, taps: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         """Causal forward over right-padded rows. Returns ({layer: [B,T,H]}, final-norm [B,T,H])."""
+        out, final, _ = self.forward_kv(ids, taps, None)
+        return out, final
+
+    @torch.no_grad()
+    def forward_kv(self, ids: torch.Tensor, taps: list[int], kv_layer: int | None):
+        """`forward`, plus layer `kv_layer`'s K (after RoPE, half-split) and V as
+        [B, kv_heads, T, head_dim] each (None without a layer): an assistant's donor rows."""
         B, T = ids.shape
         pos = torch.arange(T, device=ids.device).expand(B, T)
         x = self.embed[ids]
-        out = {}
+        out, kv = {}, None
         for i, L in enumerate(self.layers):
             q, k, v = self._qkv(L, x, pos)
+            if i == kv_layer:
+                kv = (k, v)
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             x = self._finish(L, x, a)
             if i in taps:
                 out[i] = x
-        return out, rms_norm(x, self.norm, self.eps)
+        return out, rms_norm(x, self.norm, self.eps), kv
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return h @ self.lm_head.T

@@ -11,6 +11,11 @@ Losses (per the references):
   DSpark: slots 0..g-1 (the anchor slot predicts), weights exp(-k/gamma) from k = 0 as DeepSpec's
           code does; 0.1*CE + 0.9*TV(p_draft, p_target) + 1.0*BCE(conf, 1 - TV detached).
   MTP:    KL to the target's next-next distribution + 0.1*CE on the response token.
+  Assistant: at random pending positions P, `assistant_steps` chained steps with the true tokens
+          as inputs (= the drafter's own drafts for as long as they are accepted: what verify
+          scores) and its own projected hidden; KL to the target's distribution at P+j plus
+          0.1*CE, weights exp(-j/gamma). Its donor K/V (the target's last layer) are cached with
+          the taps.
 
 Anchors are resampled every step inside the response (SpecForge/DFlash random anchors).
 State (models, optimizers, step, loss history) is checkpointed so a run spans several commands.
@@ -25,9 +30,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .drafters import DFlash, DSpark, MTP, block_mask, decay_weights, init_weights
+from .drafters import DFlash, DSpark, MTP, Assistant, assistant_mask, block_mask, decay_weights, init_weights
 from .gen import Data
 from .target import Target
+
+
+KINDS = {"dflash": DFlash, "dspark": DSpark, "mtp": MTP, "assistant": Assistant}
 
 
 class Schedule:
@@ -62,7 +70,7 @@ class Trainer:
         torch.manual_seed(hp["seed"])
         for k in kinds:
             c = configs[k]
-            m = {"dflash": DFlash, "dspark": DSpark, "mtp": MTP}[k](c)
+            m = KINDS[k](c)
             init_weights(m)
             if k == "dspark":
                 torch.nn.init.zeros_(m.markov_head.markov_w2.weight)
@@ -73,6 +81,16 @@ class Trainer:
                 # The block starts as the target's last layer (a known-good llama block).
                 sd = {n: w.float() for n, w in target.layer_weights(target.cfg.num_layers - 1).items()}
                 m.load_state_dict(sd, strict=False)
+            if k == "assistant":
+                # Scale 1.0 attention: q_norm's weight is the 1/sqrt(d) a plain layer would apply.
+                with torch.no_grad():
+                    for layer in m.model.layers:
+                        layer.self_attn.q_norm.weight.fill_(layer.head_dim**-0.5)
+            if k in (hp.get("init") or {}):
+                from .twin_drafts import load_drafter
+
+                start, _ = load_drafter(Path(hp["init"][k]))
+                m.load_state_dict(start.state_dict())  # a shape mismatch stops here, naming the tensor
             m.to(device)
             self.models[k] = m
             self.opts[k] = torch.optim.AdamW(
@@ -87,9 +105,13 @@ class Trainer:
 
     # ------------------------------------------------------------ batches
     def batches_of_epoch(self, epoch: int) -> list[list[int]]:
-        """Length-bucketed batches of ~tokens_per_batch, shuffled per epoch (deterministic)."""
+        """Length-bucketed batches of ~tokens_per_batch, shuffled per epoch (deterministic). A tag
+        in hp["tag_repeat"] ({tag: n}) has its rows n times in every epoch."""
         g = torch.Generator().manual_seed(self.hp["seed"] * 1000 + epoch)
-        rows = [self.train_rows[i] for i in torch.randperm(len(self.train_rows), generator=g)]
+        tags = self.data.meta["tags"]
+        repeat = self.hp.get("tag_repeat") or {}
+        pool = [i for i in self.train_rows for _ in range(repeat.get(tags[int(self.data.tags[i])], 1))]
+        rows = [pool[i] for i in torch.randperm(len(pool), generator=g)]
         chunk = 64 * self.hp["rows_per_batch"]
         out = []
         for c in range(0, len(rows), chunk):
@@ -193,6 +215,38 @@ class Trainer:
             "bce": bce.detach().mean(), "acc1": hit[sel[2] == 0].mean(), "acc": hit.mean(),
         }
 
+    def loss_assistant(self, m: Assistant, ids, lens, plens, final, kv, gen):
+        S, H = self.hp["assistant_steps"], self.t.cfg.hidden_size
+        anchors, valid = sample_anchors(lens, plens, self.hp["assistant_anchors"], 1, gen)
+        B, A = anchors.shape
+        T = ids.shape[1]
+        tpos = anchors[:, :, None] + torch.arange(S, device=ids.device)  # step j's input token
+        tok = ids.gather(1, tpos.clamp(max=T - 1).reshape(B, -1)).view(B, A, S)
+        e = self.t.embed[tok].float()
+        h0 = final.gather(1, (anchors - 1).clamp(min=0)[:, :, None].expand(B, A, H)).float()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):
+            y = torch.stack(m.unroll(e, h0, anchors, *kv, assistant_mask(anchors, T), S), 2)
+        lpos = tpos + 1
+        ok = valid[:, :, None] & (lpos < lens[:, None, None])
+        sel = ok.nonzero(as_tuple=True)
+        b, lp = sel[0], lpos[sel]
+        labels = ids[b, lp]
+        with torch.no_grad():
+            pt = (final[b, lp - 1] @ self.t.lm_head.T).float().softmax(-1)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):
+            ys = y[sel]
+            logits = (ys @ self.t.lm_head.T.to(ys.dtype)).float()
+        logp = logits.log_softmax(-1)
+        kl = (pt * (pt.clamp_min(1e-12).log() - logp)).sum(-1)
+        ce = F.nll_loss(logp, labels, reduction="none")
+        w = decay_weights(S, self.hp["gamma"]["assistant"], ids.device)[sel[2]]
+        loss = ((kl + 0.1 * ce) * w).sum() / w.sum()
+        hit = (logits.argmax(-1) == labels).float()
+        return loss, {
+            "loss": loss.detach(), "kl": (kl.detach() * w).sum() / w.sum(),
+            "acc1": hit[sel[2] == 0].mean(), "acc": hit.mean(),
+        }
+
     def loss_mtp(self, m: MTP, ids, lens, plens, final):
         B, T = ids.shape
         emb_next = self.t.embed[ids[:, 1:]].float()
@@ -226,25 +280,35 @@ class Trainer:
         taps_ids = self.tap_ids()
         H = self.t.cfg.hidden_size
         n = int(self.data.offsets[-1])
-        self.cache = torch.empty(n, (len(taps_ids) + 1) * H, dtype=self.t.dtype, device=self.dev)
+        width = (len(taps_ids) + 1) * H + (2 * self.kv_width() if self.kv_layer() is not None else 0)
+        self.cache = torch.empty(n, width, dtype=self.t.dtype, device=self.dev)
         order = sorted(self.train_rows, key=lambda i: int(self.data.lens[i]))
         t0 = time.time()
         for c in range(0, len(order), rows_per_forward):
             part = order[c : c + rows_per_forward]
             ids, lens, _ = self.data.batch(part, self.dev)
-            taps, final = self.t.forward(ids, taps_ids)
-            states = torch.cat([taps[i] for i in taps_ids] + [final], -1)
+            taps, final, kv = self.t.forward_kv(ids, taps_ids, self.kv_layer())
+            flat = [] if kv is None else [x.transpose(1, 2).flatten(2) for x in kv]
+            states = torch.cat([taps[i] for i in taps_ids] + [final] + flat, -1)
             for b, i in enumerate(part):
                 o, L = int(self.data.offsets[i]), int(lens[b])
                 self.cache[o : o + L] = states[b, :L]
         if log:
             log(f"train: target states of {len(order)} sequences cached ({self.cache.numel() * 2 / 2**30:.1f} GiB) in {time.time() - t0:.0f} s")
 
+    def kv_layer(self) -> int | None:
+        """The target layer whose K/V the assistant borrows (its last), if one is trained."""
+        return self.t.cfg.num_layers - 1 if "assistant" in self.models else None
+
+    def kv_width(self) -> int:
+        return self.t.cfg.num_kv_heads * self.t.cfg.head_dim
+
     def target_states(self, rows, ids, lens):
-        """(taps {layer: [B,T,H]}, final [B,T,H]) for a batch: from the cache when there is one."""
+        """(taps {layer: [B,T,H]}, final [B,T,H], donor (K, V) [B,kv_heads,T,hd] or None) for a
+        batch: from the cache when there is one."""
         taps_ids = self.tap_ids()
         if getattr(self, "cache", None) is None:
-            return self.t.forward(ids, taps_ids)
+            return self.t.forward_kv(ids, taps_ids, self.kv_layer())
         B, T = ids.shape
         off = torch.tensor([int(self.data.offsets[i]) for i in rows], device=self.dev)
         t = torch.arange(T, device=self.dev)[None]
@@ -252,13 +316,21 @@ class Trainer:
         st = self.cache[idx]
         H = self.t.cfg.hidden_size
         taps = {l: st[..., j * H : (j + 1) * H] for j, l in enumerate(taps_ids)}
-        return taps, st[..., len(taps_ids) * H :]
+        f = len(taps_ids) * H
+        kv = None
+        if self.kv_layer() is not None:
+            w, c = self.kv_width(), self.t.cfg
+            kv = tuple(
+                st[..., f + H + i * w : f + H + (i + 1) * w].reshape(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+                for i in range(2)
+            )
+        return taps, st[..., f : f + H], kv
 
     def train_step(self):
         rows = self.batch_at(self.step)
         ids, lens, plens = self.data.batch(rows, self.dev)
         gen = torch.Generator(device=self.dev).manual_seed(self.hp["seed"] * 7919 + self.step)
-        taps, final = self.target_states(rows, ids, lens)
+        taps, final, kv = self.target_states(rows, ids, lens)
         rec = {"step": self.step, "rows": len(rows), "tokens": int(lens.sum())}
         for k, m in self.models.items():
             opt = self.opts[k]
@@ -269,6 +341,8 @@ class Trainer:
                 loss, info = self.loss_dflash(m, ids, lens, plens, taps, gen)
             elif k == "dspark":
                 loss, info = self.loss_dspark(m, ids, lens, plens, taps, final, gen)
+            elif k == "assistant":
+                loss, info = self.loss_assistant(m, ids, lens, plens, final, kv, gen)
             else:
                 loss, info = self.loss_mtp(m, ids, lens, plens, final)
             opt.zero_grad(set_to_none=True)
@@ -306,6 +380,7 @@ class Trainer:
             log(f"train: {per * 1000:.0f} ms/step -> {self.total} steps for {self.hp['train_seconds']} s")
         self.sched = Schedule(self.total)
         last_save, t_mark, s_mark, t_step = time.time(), time.time(), self.step, None
+        logged = self.step
         while self.step < self.total:
             if t_step is not None and time.time() + 2 * t_step + 15 > deadline:
                 drain()
@@ -319,7 +394,8 @@ class Trainer:
                 t_step = (now - t_mark) / max(1, self.step - s_mark)
                 self.elapsed += now - t_mark
                 t_mark, s_mark = now, self.step
-                if self.step % 100 == 0 or self.step == self.total:
+                if self.step // 100 > logged // 100 or self.step == self.total:  # flushes may straddle 100s
+                    logged = self.step
                     log("train: " + summary(self.history[-1], self.total) + f" | {t_step * 1000:.0f} ms/step")
                 if now - last_save > save_every_s:
                     self.save(ckpt)
@@ -365,7 +441,7 @@ def to_floats(recs: list[dict]) -> list[dict]:
 
 def summary(rec: dict, total) -> str:
     parts = [f"step {rec['step'] + 1}/{total}"]
-    for k in ("dflash", "dspark", "mtp"):
+    for k in KINDS:
         if k in rec:
             parts.append(f"{k} loss {rec[k]['loss']:.3f} acc1 {rec[k]['acc1']:.3f}")
     return " | ".join(parts)

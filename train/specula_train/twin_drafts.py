@@ -7,7 +7,10 @@ verify loop would ask it to:
     taps of positions < a; the ids drafted, the top-1/top-2 logit margin of each (a Rust port
     may differ where the margin is tiny: its target runs quantized matmuls), and DSpark's
     confidences;
-  mtp: the first draft at every position t from (h_t, token t+1), with its margin.
+  mtp: the first draft at every position t from (h_t, token t+1), with its margin;
+  assistant: one round per pending position a = prompt_len + j over the target's last-layer K/V
+    of positions < a and its final hidden at a-1: 7 chained drafts (each the next step's input)
+    with their margins.
 The weights are read back from the exported safetensors, so this also checks the export.
 
     python3 -m specula_train.twin_drafts --gguf T.gguf --prompts DIR \
@@ -21,18 +24,20 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-from .drafters import DFlash, DSpark, MTP, block_mask
+from .export import read_tensors
+from .drafters import Assistant, DFlash, DSpark, MTP, block_mask
 from .gen import load_prompts
 from .target import Target, load_gguf
 
 
 def load_drafter(folder: Path):
     cfg = json.loads((folder / "config.json").read_text())
-    sd = load_file(str(folder / "model.safetensors"))
+    sd = read_tensors(folder / "model.safetensors")
     arch = cfg["architectures"][0]
-    if arch == "SpeculaLlamaMTP":
+    if arch == "Gemma4AssistantForCausalLM":
+        m = Assistant(cfg)
+    elif arch == "SpeculaLlamaMTP":
         m = MTP(cfg)
         prefix = cfg["mtp"]["layer_prefix"]
         sd = {k[len(prefix):]: v for k, v in sd.items()}
@@ -100,6 +105,26 @@ def mtp_drafts(m, target, ids, plen):
     return {"first_pos": plen - 1, "drafts": logits.argmax(-1).tolist(), "margins": margin(logits)}
 
 
+@torch.no_grad()
+def assistant_drafts(m, target, ids, plen, rounds, n=7):
+    _, final, (k, v) = target.forward_kv(ids[None], [], target.cfg.num_layers - 1)
+    out = []
+    for j in range(rounds):
+        a = plen + j
+        if a + 1 >= len(ids):
+            break
+        h, tok, d, mg = final[:, a - 1 : a], ids[a], [], []
+        mask = torch.ones(1, 1, 1, a, dtype=torch.bool)
+        for _ in range(n):
+            y, h = m.step(target.embed[tok][None, None], h, torch.tensor([[a]]), k[:, :, :a], v[:, :, :a], mask)
+            logits = y[0, 0] @ target.lm_head.T
+            tok = logits.argmax()
+            d.append(int(tok))
+            mg += margin(logits)
+        out.append({"anchor_pos": a, "anchor_id": int(ids[a]), "drafts": d, "margins": mg})
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", type=Path, required=True)
@@ -108,27 +133,39 @@ def main():
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--new", type=int, default=24, help="greedy target tokens per prompt")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--kinds", default="dflash,dspark,mtp,assistant",
+                    help="the kinds to (re)make; an existing --out keeps the others' drafts")
+    ap.add_argument("--cases", type=int, help="only the first N bench prompts (a smoke check)")
     a = ap.parse_args()
 
     cfg, w = load_gguf(a.gguf)
     target = Target(cfg, w, "cpu", torch.float32)
     prompts, tags, splits, meta = load_prompts(a.prompts)
     bench = [i for i, s in enumerate(splits) if meta["splits"][s] == "bench"]
-    kinds = {k: load_drafter(a.weights / k) for k in ("dflash", "dspark", "mtp") if (a.weights / k).exists()}
+    kinds = {k: load_drafter(a.weights / k) for k in a.kinds.split(",") if (a.weights / k).exists()}
+    old = json.loads(a.out.read_text()) if a.out.exists() else {"cases": [], "weights_sha256": {}}
     cases = []
-    for i in bench:
+    for i in bench[: a.cases]:
         p = prompts[i]
-        cont = target.generate([p], a.new, {meta["eos_id"], 0}, torch.zeros(1))[0]
-        ids = torch.tensor(p + cont)
-        case = {"tag": meta["tags"][tags[i]], "prompt_ids": p, "target_greedy": cont}
+        case = next((c for c in old["cases"] if c["prompt_ids"] == p), None)
+        if case is None:
+            cont = target.generate([p], a.new, {meta["eos_id"], 0}, torch.zeros(1))[0]
+            case = {"tag": meta["tags"][tags[i]], "prompt_ids": p, "target_greedy": cont}
+        ids = torch.tensor(p + case["target_greedy"])
+        cont = case["target_greedy"]
         for k, (m, _) in kinds.items():
-            case[k] = mtp_drafts(m, target, ids, len(p)) if k == "mtp" else block_drafts(k, m, target, ids, len(p), a.rounds)
+            if k == "mtp":
+                case[k] = mtp_drafts(m, target, ids, len(p))
+            elif k == "assistant":
+                case[k] = assistant_drafts(m, target, ids, len(p), a.rounds)
+            else:
+                case[k] = block_drafts(k, m, target, ids, len(p), a.rounds)
         cases.append(case)
         print(f"{case['tag']}: {len(cont)} target tokens", flush=True)
     doc = {
         "about": __doc__.splitlines()[0],
         "target": a.gguf.name, "dtype": "f32 (dequantized GGUF), CPU",
-        "weights_sha256": {k: (a.weights / k / "SHA256SUMS").read_text() for k in kinds},
+        "weights_sha256": old["weights_sha256"] | {k: (a.weights / k / "SHA256SUMS").read_text() for k in kinds},
         "cases": cases,
     }
     a.out.write_text(json.dumps(doc, indent=1))

@@ -10,11 +10,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specula_train import evaluate, export, prompts  # noqa: E402
-from specula_train.drafters import DFlash, DSpark, MTP, dflash_config, init_weights, mtp_config  # noqa: E402
+from specula_train.drafters import (  # noqa: E402
+    Assistant, DFlash, DSpark, MTP, assistant_config, dflash_config, init_weights, mtp_config,
+)
 from specula_train.target import Target, TargetConfig  # noqa: E402
 from specula_train.twin_drafts import load_drafter  # noqa: E402
 
 TC = TargetConfig("llama", 61, 32, 3, 4, 2, 8, 40, 1e-5, 10000.0, 256, True)
+
+
+ARGS = type("A", (), {
+    "taps": 2, "layers": 1, "inter": 24, "markov_rank": 4,
+    "assistant_layers": 1, "assistant_inter": 24, "assistant_heads": 4,
+})()
+HP = {
+    "seed": 0, "lr": {"dflash": 1e-3, "dspark": 1e-3, "mtp": 1e-3, "assistant": 1e-3},
+    "gamma": {"dflash": 4.0, "dspark": 4.0, "assistant": 4.0}, "anchors": 4, "tokens_per_batch": 1500,
+    "rows_per_batch": 4, "train_seconds": 0, "steps": 5, "assistant_steps": 3, "assistant_anchors": 4,
+}
 
 
 def tiny_target(seed=0):
@@ -72,20 +85,88 @@ def test_cached_target_states_equal_the_per_step_forward(tmp_path):
 
     t = tiny_target()
     data = synthetic_data(tmp_path / "d.pt", 12, TC.vocab_size)
-    args = type("A", (), {"taps": 2, "layers": 1, "inter": 24, "markov_rank": 4})()
-    hp = {"seed": 0, "lr": {"dflash": 1e-3, "dspark": 1e-3, "mtp": 1e-3}, "gamma": {"dflash": 4.0, "dspark": 4.0},
-          "anchors": 4, "tokens_per_batch": 1500, "rows_per_batch": 4, "train_seconds": 0, "steps": 5}
-    tr = Trainer(t, data, ["dflash", "mtp"], configs_for(TC, args), hp, "cpu")
+    tr = Trainer(t, data, ["dflash", "mtp", "assistant"], configs_for(TC, ARGS), HP, "cpu")
     rows = tr.batch_at(0)
     ids, lens, _ = data.batch(rows, "cpu")
-    want_taps, want_final = tr.target_states(rows, ids, lens)
+    want_taps, want_final, want_kv = tr.target_states(rows, ids, lens)
     tr.cache_target_states(rows_per_forward=5)
-    got_taps, got_final = tr.target_states(rows, ids, lens)
+    got_taps, got_final, got_kv = tr.target_states(rows, ids, lens)
     valid = torch.arange(ids.shape[1])[None] < lens[:, None]
     assert set(got_taps) == set(want_taps) == set(tr.tap_ids())
     for l in want_taps:
         torch.testing.assert_close(got_taps[l][valid], want_taps[l][valid], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_final[valid], want_final[valid], atol=1e-5, rtol=1e-5)
+    assert want_kv[0].shape == (len(rows), TC.num_kv_heads, ids.shape[1], TC.head_dim)
+    for want, got in zip(want_kv, got_kv):  # [B, kv_heads, T, hd]
+        torch.testing.assert_close(got.transpose(1, 2)[valid], want.transpose(1, 2)[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_every_kind_trains_a_few_steps_and_its_loss_falls(tmp_path):
+    from specula_train.bench import synthetic_data
+    from specula_train.run import configs_for
+    from specula_train.train import Trainer
+
+    from specula_train.gen import Data
+
+    t = tiny_target()
+    # Answers by the target itself (greedy), as the real set: every kind has something to learn.
+    g = torch.Generator().manual_seed(5)
+    prompts_ = [torch.randint(3, TC.vocab_size, (int(n),), generator=g).tolist() for n in torch.randint(4, 12, (24,), generator=g)]
+    answers = t.generate(prompts_, 24, stop_ids=set(), temperature=torch.zeros(len(prompts_)))
+    seqs = [p + a for p, a in zip(prompts_, answers)]
+    torch.save({
+        "ids": torch.tensor([x for q in seqs for x in q], dtype=torch.int32),
+        "offsets": torch.tensor([0] + [len(q) for q in seqs]).cumsum(0),
+        "prompt_lens": torch.tensor([len(p) for p in prompts_]), "tags": torch.zeros(24, dtype=torch.long),
+        "splits": torch.zeros(24, dtype=torch.long), "sampled": torch.zeros(24, dtype=torch.bool),
+        "meta": {"tags": ["chat"], "splits": ["train", "heldout", "bench"], "eos_id": 2},
+    }, tmp_path / "d.pt")
+    data = Data(tmp_path / "d.pt")
+    hp = dict(HP, steps=30, tokens_per_batch=900, rows_per_batch=24)
+    tr = Trainer(t, data, ["dflash", "dspark", "mtp", "assistant"], configs_for(TC, ARGS), hp, "cpu")
+    tr.cache_target_states()
+    recs = [tr.train_step() for _ in range(30)]
+    from specula_train.train import to_floats
+
+    recs = to_floats(recs)
+    for k in ("dflash", "dspark", "mtp", "assistant"):
+        first = sum(r[k]["loss"] for r in recs[:3]) / 3
+        last = sum(r[k]["loss"] for r in recs[-3:]) / 3
+        assert last < 0.9 * first, (k, first, last)
+
+
+def test_assistant_acceptance_equals_chained_drafting():
+    """The teacher-forced unroll behind evaluate_assistant counts exactly the drafts a chained
+    drafter (each draft the next step's input) gets accepted."""
+    from specula_train.drafters import Assistant, assistant_config
+
+    t = tiny_target()
+    torch.manual_seed(3)
+    m = Assistant(assistant_config(TC, 2, 24, 4))
+    init_weights(m, std=0.3)
+    ids = torch.randint(0, TC.vocab_size, (1, 14))
+    # Make the continuation the drafter's own greedy chain at position 5 for 3 tokens, so some
+    # round accepts several drafts.
+    _, final, (k, v) = t.forward_kv(ids, [], TC.num_layers - 1)
+    h, tok = final[:, 4:5], ids[0, 5]
+    for j in range(3):
+        y, h = m.step(t.embed[tok][None, None], h, torch.tensor([[5]]), k[:, :, :5], v[:, :, :5], torch.ones(1, 1, 1, 5, dtype=torch.bool))
+        tok = (y[0, 0] @ t.lm_head.T).argmax()
+        ids[0, 6 + j] = tok
+    lens = torch.tensor([14])
+    acc, drafted = evaluate.assistant_accepted(m, t, ids, lens, 4)
+    assert int(acc[0, 5]) >= 3
+    for a in range(1, 13):
+        _, final, (k, v) = t.forward_kv(ids[:, :a], [], TC.num_layers - 1)  # only what exists at a
+        h, tok, n = final[:, a - 1 : a], ids[0, a], 0
+        for j in range(min(4, 13 - a)):
+            y, h = m.step(t.embed[tok][None, None], h, torch.tensor([[a]]), k, v, torch.ones(1, 1, 1, a, dtype=torch.bool))
+            tok = (y[0, 0] @ t.lm_head.T).argmax()
+            if tok != ids[0, a + 1 + j]:
+                break
+            n += 1
+        assert int(acc[0, a]) == n, a
+        assert int(drafted[0, a]) == min(4, 13 - a)
 
 
 def test_answers_round_trip_through_responses_npz(tmp_path):
@@ -119,6 +200,7 @@ def test_export_round_trip_keeps_names_and_outputs(tmp_path):
         ("dflash", DFlash(dflash_config(TC, 1, 24, [0, 1], 4))),
         ("dspark", DSpark(dflash_config(TC, 1, 24, [0, 1], 3, {"architectures": ["DSparkDraftModel"], "markov_rank": 4}))),
         ("mtp", MTP(mtp_config(TC))),
+        ("assistant", Assistant(assistant_config(TC, 2, 24, 4))),
     ):
         init_weights(m)
         out = tmp_path / kind
@@ -129,7 +211,7 @@ def test_export_round_trip_keeps_names_and_outputs(tmp_path):
         for (k, a), (k2, b) in zip(sorted(m.state_dict().items()), sorted(back.state_dict().items())):
             assert k == k2
             torch.testing.assert_close(a.to(torch.bfloat16).float(), b)
-        assert info["params"] == sum(p.numel() for p in m.parameters())
+        assert info["params"] == sum(p.numel() for p in m.parameters()) + (2 if kind == "assistant" else 0)
         sums = (out / "SHA256SUMS").read_text().split()
         assert sums[0] == export.sha256(out / "config.json") and sums[2] == export.sha256(out / "model.safetensors")
     from safetensors import safe_open
@@ -140,6 +222,35 @@ def test_export_round_trip_keeps_names_and_outputs(tmp_path):
     with safe_open(str(tmp_path / "dflash" / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "mask_embedding", "layers.0.self_attn.q_norm.weight"} <= names
+    with safe_open(str(tmp_path / "assistant" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"pre_projection.weight", "post_projection.weight", "model.norm.weight", "model.layers.1.layer_scalar",
+            "model.layers.0.self_attn.q_norm.weight", "model.layers.0.post_feedforward_layernorm.weight"} <= names
+    assert not any("k_proj" in n or "embed_tokens" in n for n in names)
+
+
+def test_int8_export_dequantizes_to_within_half_a_step(tmp_path):
+    from safetensors import safe_open
+
+    torch.manual_seed(2)
+    m = Assistant(assistant_config(TC, 1, 200, 4))
+    init_weights(m)
+    export.write("assistant", m, m.config, TC, "f" * 64, tmp_path, "# r\n", quant="int8")
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.metadata()["specula_quant"] == "int8-rows"
+        assert f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.uint8
+        assert f.get_tensor("model.layers.0.input_layernorm.weight").dtype == torch.bfloat16
+        assert "model.layers.0.mlp.up_proj.weight_scale" in names
+        assert "model.layers.0.self_attn.q_norm.weight_scale" not in names
+    back = export.read_tensors(tmp_path / "model.safetensors")
+    sd = m.state_dict()
+    assert set(back) == set(sd)
+    for k, w in sd.items():
+        w = w.to(torch.bfloat16).float()
+        step = w.abs().amax(-1, keepdim=True) / 127 if w.dim() == 2 else 0
+        assert ((back[k] - w).abs() <= step / 2 + 1e-6).all(), k
+    assert (back["model.layers.0.mlp.up_proj.weight"] != sd["model.layers.0.mlp.up_proj.weight"]).any()
 
 
 def test_held_out_is_per_document_and_stable():

@@ -305,13 +305,14 @@ impl Assistant {
             .ok_or_else(|| invalid("no backbone_hidden_size".into()))?
             as usize;
         let st_path = dir.join("model.safetensors");
+        let bad = |reason: String| Error::Invalid {
+            path: st_path.clone(),
+            reason,
+        };
+        let map = candle_core::safetensors::load(&st_path, &Device::Cpu)
+            .map_err(|e| bad(e.to_string()))?;
         let tensors = Tensors {
-            map: candle_core::safetensors::load(&st_path, &Device::Cpu).map_err(|e| {
-                Error::Invalid {
-                    path: st_path.clone(),
-                    reason: e.to_string(),
-                }
-            })?,
+            map: specula_models::int8::dequantize_map(map).map_err(|e| bad(e.to_string()))?,
             path: st_path.clone(),
         };
         let (h, eps, heads) = (

@@ -27,10 +27,12 @@ impl Tensors {
     /// # Errors
     /// [`Error::Weights`] when the file is missing or not safetensors.
     pub fn read(path: &Path, device: &Device) -> Result<Self, Error> {
-        let map = candle_core::safetensors::load(path, device).map_err(|e| Error::Weights {
+        let bad = |reason: String| Error::Weights {
             path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
+            reason,
+        };
+        let map = candle_core::safetensors::load(path, device).map_err(|e| bad(e.to_string()))?;
+        let map = specula_models::int8::dequantize_map(map).map_err(|e| bad(e.to_string()))?;
         let map = map
             .into_iter()
             .map(|(k, v)| (k.strip_prefix("model.").map(str::to_string).unwrap_or(k), v))
