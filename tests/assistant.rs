@@ -203,6 +203,11 @@ fn assistant_process_greedy_equals_plain_with_views_copies_and_protocol_1_1() {
             "--num-draft-tokens",
             "4",
             "--fixed-draft",
+            // No deadline missed under load: every round drafts, on every path alike.
+            "--draft-deadline-steps",
+            "100000",
+            "--draft-deadline-ms",
+            "20000",
         ];
         args.extend_from_slice(extra);
         cli(dir.path(), &args)
@@ -246,7 +251,12 @@ fn a_respawned_assistant_maps_the_donor_region_again() {
     let spec = DrafterSpec::new(bin_path("assistant"))
         .with_args([format!("--weights={}", assistant_dir().display())]);
     let info = target_info(&loaded.model, &loaded.tokenizer);
-    let client = DrafterClient::start(spec, info, ClientConfig::default()).expect("start");
+    let patient = std::time::Duration::from_secs(20);
+    let config = ClientConfig {
+        draft_deadline: patient,
+        ..ClientConfig::default()
+    };
+    let client = DrafterClient::start(spec, info, config).expect("start");
     let (shared, handle) = Shared::new(client);
     let slot = ProposerSlot::new(Some(Box::new(shared)));
     let req = GenerationRequest {
@@ -263,11 +273,17 @@ fn a_respawned_assistant_maps_the_donor_region_again() {
     };
     let killed = Arc::new(Mutex::new(None));
     let mut tokens = 0;
+    // No deadline missed under load: the rounds after the respawn draft.
+    let engine = EngineConfig {
+        draft_deadline_steps: 1e5,
+        draft_deadline_cap: patient,
+        ..EngineConfig::default()
+    };
     let gen = generate(
         &loaded.model,
         &loaded.tokenizer,
         &slot,
-        &EngineConfig::default(),
+        &engine,
         &req,
         &mut |_| {
             tokens += 1;

@@ -236,6 +236,12 @@ impl TapRows {
         }
     }
 
+    /// Bytes of the K/V rows copied into these taps (none when they carry a donor table).
+    pub fn kv_bytes(&self) -> u64 {
+        let floats: usize = self.kv.iter().map(|(k, v)| k.len() + v.len()).sum();
+        (floats * std::mem::size_of::<f32>()) as u64
+    }
+
     /// Bytes of payload.
     pub fn bytes(&self) -> usize {
         let f = self.layers.iter().map(Vec::len).sum::<usize>()

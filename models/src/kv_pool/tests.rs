@@ -257,7 +257,10 @@ fn exported_slots_live_in_the_donor_region_through_growth_reuse_and_copy_on_writ
     check(&pool, a, &t);
     let first = pool.donor_region().unwrap();
     let table = pool.donor_table(a, t.len()).unwrap().unwrap();
-    assert!(table.iter().all(|b| b.epoch % 2 == 0), "announced stable");
+    assert!(
+        table.iter().all(|b| b.epoch.is_multiple_of(2)),
+        "announced stable"
+    );
     let r = reader(&pool);
     let rows = r.rows(&table, t.len()).unwrap();
     let (k, v) = rows.copy_rows(0, 0..t.len()).unwrap();
@@ -298,7 +301,7 @@ fn exported_slots_live_in_the_donor_region_through_growth_reuse_and_copy_on_writ
         "torn"
     );
     let now = pool.donor_table(c, 3).unwrap().unwrap()[0];
-    assert!(now.epoch > epoch && now.epoch % 2 == 0);
+    assert!(now.epoch > epoch && now.epoch.is_multiple_of(2));
     // Copy-on-write of a shared partial block copies the exported slot too.
     let f = pool.fork(c, 2).unwrap();
     check(&pool, f, &ids(3, 900)[..2]);

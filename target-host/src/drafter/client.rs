@@ -191,11 +191,7 @@ impl DrafterClient {
         let Some(taps) = taps else {
             return;
         };
-        self.stats.kv_copied_bytes += taps
-            .kv
-            .iter()
-            .map(|(k, v)| (k.len() + v.len()) * std::mem::size_of::<f32>())
-            .sum::<usize>() as u64;
+        self.stats.kv_copied_bytes += taps.kv_bytes();
         let Some(donor) = taps.donor.as_ref().filter(|_| self.kv_views) else {
             return;
         };

@@ -73,11 +73,7 @@ impl<D: Drafter> InProcess<D> {
         let Some(taps) = taps else {
             return;
         };
-        self.transfer.kv_copied_bytes += taps
-            .kv
-            .iter()
-            .map(|(k, v)| (k.len() + v.len()) * std::mem::size_of::<f32>())
-            .sum::<usize>() as u64;
+        self.transfer.kv_copied_bytes += taps.kv_bytes();
         let Some(d) = taps.donor.as_ref().filter(|_| self.wants.kv_views) else {
             return;
         };
