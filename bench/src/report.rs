@@ -218,7 +218,7 @@ fn class(d: Drafter) -> &'static str {
         Drafter::Ngram | Drafter::PromptLookup => "prompt lookup",
         Drafter::TwoModel | Drafter::DraftModel => "draft-model speculation",
         // No peer runs a drafter fed by the target's hidden states.
-        Drafter::Dflash | Drafter::Dspark | Drafter::Mtp => "learned drafters",
+        Drafter::Dflash | Drafter::Dspark | Drafter::Mtp | Drafter::Assistant => "learned drafters",
     }
 }
 

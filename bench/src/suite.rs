@@ -49,6 +49,8 @@ pub enum Drafter {
     Dspark,
     /// Specula's MTP drafter (the `mtp` binary: the target's multi-token-prediction head).
     Mtp,
+    /// Specula's assistant drafter (the `assistant` binary: attends over the target's K/V).
+    Assistant,
     /// A peer's prompt-lookup decoding.
     PromptLookup,
     /// A peer's draft-model speculation (needs `draft_model`).
@@ -128,6 +130,7 @@ impl Config {
             Drafter::Dflash => "dflash",
             Drafter::Dspark => "dspark",
             Drafter::Mtp => "mtp",
+            Drafter::Assistant => "assistant",
             Drafter::PromptLookup => "prompt lookup",
             Drafter::DraftModel => "draft model",
         };
@@ -148,7 +151,7 @@ impl Config {
             (_, D::None)
                 | (
                     E::Specula,
-                    D::Ngram | D::TwoModel | D::Dflash | D::Dspark | D::Mtp
+                    D::Ngram | D::TwoModel | D::Dflash | D::Dspark | D::Mtp | D::Assistant
                 )
                 | (
                     E::LlamaCpp | E::Transformers,
@@ -367,6 +370,24 @@ mod tests {
 
     fn config(json: &str) -> Config {
         serde_json::from_str(json).unwrap()
+    }
+
+    /// Every suite shipped in bench/suites loads: a drafter added to a suite but not to the
+    /// harness fails here, not in the middle of a benchmark run.
+    #[test]
+    fn every_shipped_suite_loads() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("suites");
+        let mut n = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "json") {
+                if let Err(e) = Suite::load(&path) {
+                    panic!("{}: {e:#}", path.display());
+                }
+                n += 1;
+            }
+        }
+        assert!(n >= 3, "only {n} suites under {}", dir.display());
     }
 
     #[test]

@@ -254,6 +254,7 @@ fn proposer(
         (Drafter::Dflash, _) => DrafterSpec::new("dflash").with_args(["--kind=dflash"]),
         (Drafter::Dspark, _) => DrafterSpec::new("dflash").with_args(["--kind=dspark"]),
         (Drafter::Mtp, _) => DrafterSpec::new("mtp"),
+        (Drafter::Assistant, _) => DrafterSpec::new("assistant"),
         (other, _) => anyhow::bail!("Specula has no drafter {other:?}"),
     };
     // A generous deadline: a slow draft must show up as drafter latency, not as lost drafts.
