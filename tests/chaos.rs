@@ -239,6 +239,11 @@ fn dflash_generate(kill_after: usize) -> (Vec<u32>, Vec<DrafterEvent>) {
         .arg("--drafter")
         .arg(specula_tests::bin_path("dflash"))
         .args(["--num-draft-tokens", "7", "--fixed-draft"])
+        // An f32 target on one thread: the rest of the generation after the kill must outlast the
+        // respawned drafter's start (backoff + loading), or no round after it can be compared;
+        // with the quantized target on two idle cores the 64 tokens were done first.
+        .args(["--dtype", "f32"])
+        .env("RAYON_NUM_THREADS", "1")
         // The deadline is a few measured target steps, capped by the ms: on a loaded machine a
         // miss would halve later drafts and no round could be compared. Let the cap decide.
         .args([
@@ -311,7 +316,13 @@ fn dflash_generate(kill_after: usize) -> (Vec<u32>, Vec<DrafterEvent>) {
 fn dflash_respawn_after_a_kill_recovers_full_acceptance() {
     let path = model_path("smollm2-135m");
     let model = path.to_str().expect("utf-8 path");
-    let (_, plain) = cli_generate(model, "chat", PROMPT, 64, &["--no-speculation"]);
+    let (_, plain) = cli_generate(
+        model,
+        "chat",
+        PROMPT,
+        64,
+        &["--no-speculation", "--dtype", "f32"],
+    );
     let (clean_ids, clean) = dflash_generate(0);
     assert_eq!(clean_ids, plain);
     let (ids, events) = dflash_generate(3);

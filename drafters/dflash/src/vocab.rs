@@ -18,8 +18,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::quantized::{QStorage, QTensor};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use serde::Deserialize;
 use specula_models::layers::linear::Weight;
 use specula_models::layers::Linear;
@@ -160,7 +159,8 @@ pub fn select_rows(linear: &Linear, ids: &[u32]) -> Result<Linear, Error> {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::quantized::GgmlDType;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::Device;
     use serde_json::json;
 
     use super::*;
