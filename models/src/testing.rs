@@ -17,7 +17,7 @@
 //! ```
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
@@ -267,4 +267,24 @@ fn switches(name: &str) -> Result<arch::llama::Switches> {
         got: name.to_string(),
         supported: "llama, mistral, qwen2, qwen3 (tiny models)".to_string(),
     })
+}
+
+/// The repository root (the parent of this crate), for tests that read committed fixtures.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Path of a real GGUF model, fetched by `scripts/fetch-model` when absent. Panics rather
+/// than skipping: a test without its model must not pass as green.
+pub fn real_model(name: &str) -> PathBuf {
+    let out = std::process::Command::new(repo_root().join("scripts/fetch-model"))
+        .arg(name)
+        .output()
+        .expect("run scripts/fetch-model");
+    assert!(
+        out.status.success(),
+        "scripts/fetch-model {name} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }

@@ -364,20 +364,9 @@ fn fingerprint(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use std::path::PathBuf;
     use std::sync::Mutex;
 
-    /// Path of a real GGUF model, fetched by `scripts/fetch-model` when absent. Panics rather
-    /// than skipping: a test without its model must not pass as green.
-    pub(crate) fn real_model(name: &str) -> PathBuf {
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-        let out = std::process::Command::new(root.join("scripts/fetch-model"))
-            .arg(name)
-            .output()
-            .expect("run scripts/fetch-model");
-        assert!(out.status.success(), "scripts/fetch-model {name} failed");
-        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-    }
+    pub(crate) use crate::testing::real_model;
 
     pub(crate) fn gguf_content(name: &str) -> candle_core::quantized::gguf_file::Content {
         read_gguf_metadata(&real_model(name)).expect("read GGUF metadata")

@@ -13,36 +13,16 @@
 //! stops at its first narrow margin. The test fails if fewer than 70 % of the drafts are
 //! compared.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-
 use assistant::drafter::AssistantDrafter;
 use dflash::WeightsSource;
 use serde_json::Value;
+use specula_models::testing::{real_model, repo_root};
 use specula_models::{load_model, ForwardRequest, LoadOptions, Rows, TapId, WeightDType};
 use specula_protocol::sdk::{Drafter, OpenArgs, Taps};
 use specula_protocol::wire::{SamplingSpec, TargetInfo};
 
 /// Logit margins under this may flip between two f32 implementations.
 const MARGIN: f64 = 0.05;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// The GGUF, fetched by `scripts/fetch-model` as every real-model test does.
-fn smollm2() -> PathBuf {
-    let out = Command::new(root().join("scripts/fetch-model"))
-        .arg("smollm2-135m")
-        .output()
-        .expect("run scripts/fetch-model");
-    assert!(
-        out.status.success(),
-        "scripts/fetch-model smollm2-135m failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-}
 
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
@@ -55,18 +35,18 @@ fn ids(v: &Value) -> Vec<u32> {
 #[test]
 fn shipped_smollm2_assistant_drafts_what_its_pytorch_twin_drafts() {
     let twin: Value = serde_json::from_str(
-        &std::fs::read_to_string(root().join("train/results/smollm2-135m/twin-drafts.json"))
+        &std::fs::read_to_string(repo_root().join("train/results/smollm2-135m/twin-drafts.json"))
             .expect("twin-drafts.json"),
     )
     .expect("json");
-    let weights = root().join("drafters/weights/smollm2-135m/assistant");
+    let weights = repo_root().join("drafters/weights/smollm2-135m/assistant");
     let sums = std::fs::read_to_string(weights.join("SHA256SUMS")).expect("SHA256SUMS");
     assert_eq!(
         twin["weights_sha256"]["assistant"].as_str(),
         Some(sums.as_str()),
         "twin-drafts.json was made from other assistant weights: remake it (train/README.md)"
     );
-    let path = smollm2();
+    let path = real_model("smollm2-135m");
     let opts = LoadOptions {
         dtype: WeightDType::F32,
         ..Default::default()

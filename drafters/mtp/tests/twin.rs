@@ -14,11 +14,10 @@
 //! since it is fed depth 1's id). The test fails if fewer than 80 % of the depth-1 drafts or
 //! 60 % of the depth-2 drafts are compared.
 
-use std::path::{Path, PathBuf};
-
 use mtp::feed::{target_info, HostFeed};
 use mtp::{LinearDType, MtpDrafter, Options, WeightsSource};
 use serde_json::Value;
+use specula_models::testing::{real_model, repo_root};
 use specula_models::{load_model, ForwardRequest, LoadOptions, Rows, TapId, WeightDType};
 use specula_protocol::sdk::Drafter;
 
@@ -26,24 +25,6 @@ use specula_protocol::sdk::Drafter;
 /// draft at 0.07 that differs: the two targets' hiddens differ by summation order, and the
 /// block amplifies it).
 const MARGIN: f64 = 0.1;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// The GGUF, fetched by `scripts/fetch-model` as every real-model test does.
-fn smollm2() -> PathBuf {
-    let out = std::process::Command::new(root().join("scripts/fetch-model"))
-        .arg("smollm2-135m")
-        .output()
-        .expect("run scripts/fetch-model");
-    assert!(
-        out.status.success(),
-        "scripts/fetch-model smollm2-135m failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-}
 
 fn list<T>(v: &Value, f: impl Fn(&Value) -> Option<T>) -> Vec<T> {
     v.as_array()
@@ -64,18 +45,18 @@ fn floats(v: &Value) -> Vec<f64> {
 #[test]
 fn shipped_smollm2_mtp_drafts_what_its_pytorch_twin_drafts() {
     let twin: Value = serde_json::from_str(
-        &std::fs::read_to_string(root().join("tests/fixtures/mtp/twin-chain.json"))
+        &std::fs::read_to_string(repo_root().join("tests/fixtures/mtp/twin-chain.json"))
             .expect("twin-chain.json"),
     )
     .expect("json");
-    let weights = root().join("drafters/weights/smollm2-135m/mtp");
+    let weights = repo_root().join("drafters/weights/smollm2-135m/mtp");
     let sums = std::fs::read_to_string(weights.join("SHA256SUMS")).expect("SHA256SUMS");
     assert_eq!(
         twin["weights_sha256"].as_str(),
         Some(sums.as_str()),
         "twin-chain.json was made from other MTP weights: remake it (its script's docstring)"
     );
-    let path = smollm2();
+    let path = real_model("smollm2-135m");
     let opts = LoadOptions {
         dtype: WeightDType::F32,
         ..Default::default()
