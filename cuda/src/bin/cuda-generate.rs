@@ -162,9 +162,8 @@ fn main() -> Result<()> {
         plain_out.push(out);
     }
     let plain_tps = summary("plain", &plain_stats, &plain_out);
-    let mut drafters = Vec::new();
-    drafters.push(json!({"drafter": "none", "tokens_per_s": plain_tps,
-        "runs": plain_stats.iter().map(Run::to_json).collect::<Vec<_>>()}));
+    let mut drafters = vec![json!({"drafter": "none", "tokens_per_s": plain_tps,
+        "runs": plain_stats.iter().map(Run::to_json).collect::<Vec<_>>()})];
     for d in &args.drafter {
         let (d, k) = match d.rsplit_once(':') {
             Some((p, k)) => (PathBuf::from(p), k.parse().context("--drafter PATH:K")?),
