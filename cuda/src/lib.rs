@@ -5,6 +5,7 @@
 //! - [`device`]: context, stream, buffers and the kernels of `kernels/step.cu` (PTX from nvcc
 //!   at build time, see build.rs), loaded once with cached handles.
 //! - [`step`]: weights, KV cache, the kernel sequence and one CUDA graph per window size.
+//! - [`checkpoint`]: real weights, a GGUF file dequantized to bf16 in the kernels' layout.
 //! - [`reference`]: the same forward on the CPU in f32, rounding where the GPU rounds, which
 //!   the device check (`cuda-check`) compares the kernels against.
 //!
@@ -12,6 +13,7 @@
 //! build time, [`device::Gpu::new`] says how to build the kernels. candle's per-op CUDA path in
 //! specula-models stays the fallback.
 
+pub mod checkpoint;
 pub mod device;
 pub mod error;
 pub mod reference;

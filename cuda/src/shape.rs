@@ -113,7 +113,7 @@ impl Shape {
                 )))
             }
         };
-        shape.validate()?;
+        shape.check()?;
         Ok(shape)
     }
 
@@ -163,11 +163,15 @@ impl Shape {
             qkv_bias: c.attention_bias || arch == "qwen2",
             qk_norm: arch == "qwen3",
         };
-        shape.validate()?;
+        shape.check()?;
         Ok(shape)
     }
 
-    fn validate(&self) -> Result<()> {
+    /// Whether the kernels can run this shape.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] naming the dimension they cannot tile.
+    pub fn check(&self) -> Result<()> {
         let bad = |what: String| Err(Error::Unsupported(what));
         if self.layers == 0 || self.heads == 0 || self.kv_heads == 0 || self.vocab == 0 {
             return bad("a model with no layers, heads or vocabulary".into());

@@ -68,6 +68,25 @@ pub struct Step {
     host_ids: Pinned<i32>,
     graphs: Vec<Option<CudaGraph>>,
     pdl: bool,
+    taps: Taps,
+}
+
+/// Hidden states a step copies out for a drafter: the residual stream (f32) after each listed
+/// layer, and the final norm's output (bf16, what the lm_head reads), `MAX_ROWS` rows a slot.
+#[derive(Default)]
+struct Taps {
+    layers: Vec<usize>,
+    layer_buf: Option<DeviceBuffer>,
+    final_buf: Option<DeviceBuffer>,
+}
+
+/// The taps of one forward's rows, row-major `rows × hidden`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TapOut {
+    /// One entry per layer of [`Step::set_taps`], in its order.
+    pub layers: Vec<Vec<f32>>,
+    /// The final norm's output, when asked.
+    pub final_hidden: Option<Vec<f32>>,
 }
 
 impl Step {
@@ -125,11 +144,13 @@ impl Step {
     /// A step over `weights` (already on the device, in the layout [`LayerWeights`] names).
     ///
     /// # Errors
-    /// [`Error::Invalid`] for `max_ctx` of 0; driver errors otherwise.
+    /// [`Error::Invalid`] for `max_ctx` of 0; [`Error::Unsupported`] for a shape the kernels
+    /// cannot tile ([`Shape::check`]); driver errors otherwise.
     pub fn new(gpu: Gpu, shape: Shape, max_ctx: usize, weights: Weights) -> Result<Self> {
         if max_ctx == 0 {
             return Err(Error::Invalid("a KV cache of 0 positions".into()));
         }
+        shape.check()?;
         let (h, hd, r) = (shape.hidden, shape.head_dim, MAX_ROWS);
         let attn_w = shape.heads * hd;
         let splits = max_ctx.div_ceil(ATTN_CHUNK);
@@ -171,6 +192,7 @@ impl Step {
             host_ids,
             graphs: (0..=r).map(|_| None).collect(),
             pdl: false,
+            taps: Taps::default(),
         })
     }
 
@@ -184,6 +206,61 @@ impl Step {
             self.pdl = on;
             self.graphs.iter_mut().for_each(|g| *g = None);
         }
+    }
+
+    /// Copies out the residual stream after each of `layers` and (with `final_hidden`) the
+    /// final norm's output in every later forward ([`Self::taps`] reads them). Drops the
+    /// captured graphs, which hold the copies.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a layer past the model's; driver errors (allocation).
+    pub fn set_taps(&mut self, layers: &[usize], final_hidden: bool) -> Result<()> {
+        if let Some(&l) = layers.iter().find(|&&l| l >= self.shape.layers) {
+            return Err(Error::Invalid(format!(
+                "a tap of layer {l} in a model of {} layers",
+                self.shape.layers
+            )));
+        }
+        let h = self.shape.hidden;
+        self.taps = Taps {
+            layers: layers.to_vec(),
+            layer_buf: match layers.is_empty() {
+                true => None,
+                false => Some(self.gpu.alloc(4 * layers.len() * MAX_ROWS * h)?),
+            },
+            final_buf: match final_hidden {
+                true => Some(self.gpu.alloc(2 * MAX_ROWS * h)?),
+                false => None,
+            },
+        };
+        self.graphs.iter_mut().for_each(|g| *g = None);
+        Ok(())
+    }
+
+    /// The taps of the last forward's first `m` rows, as [`Self::set_taps`] asked.
+    pub fn taps(&self, m: usize) -> Result<TapOut> {
+        let (h, m) = (self.shape.hidden, m.min(MAX_ROWS));
+        let mut out = TapOut::default();
+        if let Some(buf) = &self.taps.layer_buf {
+            for i in 0..self.taps.layers.len() {
+                let mut v = vec![0f32; m * h];
+                self.gpu.download(&mut v, buf, 4 * i * MAX_ROWS * h)?;
+                out.layers.push(v);
+            }
+        }
+        let mut fin = vec![0u16; m * h];
+        if let Some(buf) = &self.taps.final_buf {
+            self.gpu.download(&mut fin, buf, 0)?;
+        }
+        self.gpu.sync()?;
+        if self.taps.final_buf.is_some() {
+            out.final_hidden = Some(
+                fin.iter()
+                    .map(|&b| half::bf16::from_bits(b).to_f32())
+                    .collect(),
+            );
+        }
+        Ok(out)
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -356,8 +433,22 @@ impl Step {
                 2,
             )?;
             gemm(act, lw.down.ptr(), 0, x, sh.hidden, sh.intermediate, 1)?;
+            if let (Some(i), Some(buf)) = (
+                self.taps.layers.iter().position(|&t| t == l),
+                &self.taps.layer_buf,
+            ) {
+                let at = buf.ptr() + (4 * i * MAX_ROWS * sh.hidden) as u64;
+                // SAFETY: slot i of the tap buffer and x both hold MAX_ROWS rows of hidden f32.
+                unsafe { sys::cuMemcpyDtoDAsync_v2(at, x, 4 * m * sh.hidden, stream).result() }
+                    .ctx(|| format!("copying the tap of layer {l}"))?;
+            }
         }
         norm(self.weights.final_norm.ptr(), xn)?;
+        if let Some(buf) = &self.taps.final_buf {
+            // SAFETY: the buffer and xn both hold MAX_ROWS rows of hidden bf16.
+            unsafe { sys::cuMemcpyDtoDAsync_v2(buf.ptr(), xn, 2 * m * sh.hidden, stream).result() }
+                .ctx(|| "copying the final hidden tap".into())?;
+        }
         let lm = self
             .weights
             .lm_head
