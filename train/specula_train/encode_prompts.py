@@ -38,8 +38,13 @@ class GgufPrompter:
     def __init__(self, gguf_path: Path):
         import gguf
         import jinja2
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
         from transformers import AutoTokenizer
 
+        # The tokenizer comes from the GGUF's metadata alone, which needs no torch, but
+        # transformers' GGUF loader refuses to start without it: let a CPU machine without
+        # torch (where `train/prepare` runs) through that check.
+        gguf_utils.is_torch_available = lambda: True
         reader = gguf.GGUFReader(str(gguf_path))
         field = lambda k: reader.fields[k].contents() if k in reader.fields else None  # noqa: E731
         self.tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
