@@ -212,7 +212,8 @@ impl Loaded {
 }
 
 /// The default `--min-confidence`: below it the expected accepted tokens of a draft no longer
-/// pay for its verify row on the CPU (measured: `README.md`).
+/// pay for its verify row on the CPU (a row costs about a third of a target step, BENCHMARKS'
+/// verify-rows line). Not yet calibrated on the head: the `accept` example prints the table.
 pub const DEFAULT_MIN_CONFIDENCE: f32 = 0.3;
 
 /// `softmax(row)[id]`, in f64 (the draft's own probability: its confidence).
