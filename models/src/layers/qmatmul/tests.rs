@@ -291,7 +291,6 @@ fn raw_weight(dtype: GgmlDType, n: usize, k: usize, q: impl Fn(usize, usize) -> 
     for j in 0..n {
         for _ in 0..k / block_elems(dtype) {
             let start = raw.len();
-            let quants = |raw: &mut Vec<u8>, len: usize| raw.extend((0..len).map(|i| q(j, i)));
             // The f16 fields first (Q6_K's d last), then the quant bytes.
             let (halves, quants) = match dtype {
                 GgmlDType::Q4_0 => (1, 16),
