@@ -235,6 +235,7 @@ mod x86 {
                 let d = f16(p.add(208));
                 let sc = p.add(192) as *const i8;
                 let mut sumi = [_mm256_setzero_si256(); $r];
+                let sc16 = _mm_loadu_si128(sc as *const __m128i);
                 for half in 0..2 {
                     let ql1 = _mm256_loadu_si256(p.add(64 * half) as *const __m256i);
                     let ql2 = _mm256_loadu_si256(p.add(64 * half + 32) as *const __m256i);
@@ -257,12 +258,14 @@ mod x86 {
                             _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
                         ),
                     ];
+                    // Sub-block j's scale in the low 128 bits, j + 1's in the high (16 bits each).
                     let s: [__m256i; 4] = std::array::from_fn(|t| {
-                        let j = 8 * half + 2 * t;
-                        _mm256_set_m128i(
-                            _mm_set1_epi16(*sc.add(j + 1) as i16),
-                            _mm_set1_epi16(*sc.add(j) as i16),
-                        )
+                        let j = _mm_set1_epi8((8 * half + 2 * t) as i8);
+                        let pick = _mm_add_epi8(
+                            j,
+                            _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                        );
+                        _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc16, pick))
                     });
                     for r in 0..$r {
                         let q8 = a.get_unchecked(r).q.as_ptr().add(sb * QK_K + 128 * half);
@@ -275,7 +278,7 @@ mod x86 {
                         sumi[r] = v;
                     }
                 }
-                let scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc as *const __m128i));
+                let scales = _mm256_cvtepi8_epi16(sc16);
                 for r in 0..$r {
                     let row = a.get_unchecked(r);
                     let bs = _mm256_loadu_si256(row.bsums.as_ptr().add(sb * 16) as *const __m256i);

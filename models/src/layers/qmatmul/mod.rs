@@ -345,17 +345,29 @@ pub fn matmul(isa: Isa, w: &QWeight, xs: &Tensor) -> Result<Tensor> {
     }
     let ys = match m {
         1 => out_t,
-        _ => {
-            let mut ys = vec![0f32; m * n];
-            for (j, col) in out_t.chunks_exact(m).enumerate() {
-                for (r, &v) in col.iter().enumerate() {
+        _ => transpose(&out_t, n, m),
+    };
+    Ok(Tensor::from_vec(ys, (m, n), &Device::Cpu)?)
+}
+
+/// `ys[r * n + j] = out_t[j * m + r]`, rows of `ys` in bands of [`BAND`] (in parallel): a band's
+/// writes for consecutive `j` fall in the same `BAND` cache lines, where a plain loop over a
+/// prefill chunk's megabytes of output strides through memory.
+fn transpose(out_t: &[f32], n: usize, m: usize) -> Vec<f32> {
+    const BAND: usize = 32;
+    let mut ys = vec![0f32; m * n];
+    ys.par_chunks_mut(BAND * n)
+        .enumerate()
+        .for_each(|(band, ys)| {
+            let r0 = band * BAND;
+            let rows = ys.len() / n;
+            for j in 0..n {
+                for (r, &v) in out_t[j * m + r0..][..rows].iter().enumerate() {
                     ys[r * n + j] = v;
                 }
             }
-            ys
-        }
-    };
-    Ok(Tensor::from_vec(ys, (m, n), &Device::Cpu)?)
+        });
+    ys
 }
 
 /// `Q6_K` ([`kquant`]): `out_t[j * m + r] = y[r, j]`.

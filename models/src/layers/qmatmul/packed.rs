@@ -448,9 +448,10 @@ mod x86 {
                 }
                 let q = p.add(f.data_at() + 32 * h);
                 let mut isum = [_mm256_setzero_si256(); R];
-                let dot =
-                    |u: __m256i, x: __m256i| _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones);
+                let widen = |p16: __m256i| _mm256_madd_epi16(p16, ones);
                 if f.nibbles {
+                    // 8 products of pairs, |Σ| <= 8 * 2 * 15 * 127 = 30480: 16 bits hold it.
+                    let mut p16 = [_mm256_setzero_si256(); R];
                     for c in 0..4 {
                         let v = _mm256_loadu_si256(q.add(64 * c) as *const __m256i);
                         let lo = _mm256_and_si256(v, m4);
@@ -458,24 +459,39 @@ mod x86 {
                         for r in 0..R {
                             let xl = _mm256_set1_epi32(act4(&a[r], b, c));
                             let xh = _mm256_set1_epi32(act4(&a[r], b, c + 4));
-                            isum[r] = _mm256_add_epi32(isum[r], dot(lo, xl));
-                            isum[r] = _mm256_add_epi32(isum[r], dot(hi, xh));
+                            let s = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(lo, xl),
+                                _mm256_maddubs_epi16(hi, xh),
+                            );
+                            p16[r] = _mm256_add_epi16(p16[r], s);
+                        }
+                    }
+                    for r in 0..R {
+                        isum[r] = widen(p16[r]);
+                    }
+                } else if !f.signed {
+                    // 5-bit weights: 4 products of pairs, |Σ| <= 4 * 2 * 31 * 127 = 31496.
+                    for half in 0..2 {
+                        let mut p16 = [_mm256_setzero_si256(); R];
+                        for c in 4 * half..4 * half + 4 {
+                            let v = _mm256_loadu_si256(q.add(64 * c) as *const __m256i);
+                            for r in 0..R {
+                                let x = _mm256_set1_epi32(act4(&a[r], b, c));
+                                p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(v, x));
+                            }
+                        }
+                        for r in 0..R {
+                            isum[r] = _mm256_add_epi32(isum[r], widen(p16[r]));
                         }
                     }
                 } else {
+                    // Signed bytes: one product of pairs reaches 2 * 128 * 127, widen each.
                     for c in 0..8 {
                         let v = _mm256_loadu_si256(q.add(64 * c) as *const __m256i);
-                        let u = match f.signed {
-                            true => _mm256_sign_epi8(v, v),
-                            false => v,
-                        };
+                        let u = _mm256_sign_epi8(v, v);
                         for r in 0..R {
-                            let x = _mm256_set1_epi32(act4(&a[r], b, c));
-                            let x = match f.signed {
-                                true => _mm256_sign_epi8(x, v),
-                                false => x,
-                            };
-                            isum[r] = _mm256_add_epi32(isum[r], dot(u, x));
+                            let x = _mm256_sign_epi8(_mm256_set1_epi32(act4(&a[r], b, c)), v);
+                            isum[r] = _mm256_add_epi32(isum[r], widen(_mm256_maddubs_epi16(u, x)));
                         }
                     }
                 }

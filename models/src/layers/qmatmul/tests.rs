@@ -282,3 +282,82 @@ fn selected_rows_give_the_full_products_columns() {
         assert!(q.select_rows(&[40]).is_err(), "{dtype:?}: row 40 of 40");
     }
 }
+
+/// Raw GGUF bytes of a `[n, k]` weight of `dtype` whose scales are 1 (so the f16 fields are
+/// sane) and whose quant bytes are `q(j, i)`: row `j`, byte `i` of a block's quants.
+fn raw_weight(dtype: GgmlDType, n: usize, k: usize, q: impl Fn(usize, usize) -> u8) -> QTensor {
+    let one = half::f16::from_f32(1.0).to_le_bytes();
+    let mut raw = Vec::new();
+    for j in 0..n {
+        for _ in 0..k / block_elems(dtype) {
+            let start = raw.len();
+            // The f16 fields first (Q6_K's d last), then the quant bytes.
+            let (halves, quants) = match dtype {
+                GgmlDType::Q4_0 => (1, 16),
+                GgmlDType::Q4_1 => (2, 16),
+                GgmlDType::Q5_0 => (1, 4 + 16),
+                GgmlDType::Q8_0 => (1, 32),
+                // d, dmin; 12 bytes of 6-bit scales and mins, 128 of nibbles.
+                GgmlDType::Q4K => (2, 12 + 128),
+                // 128 bytes of low nibbles, 64 of high bits, 16 i8 scales; d.
+                _ => (0, 128 + 64 + 16),
+            };
+            for _ in 0..halves {
+                raw.extend(one);
+            }
+            raw.extend((0..quants).map(|i| q(j, i)));
+            if halves == 0 {
+                raw.extend(one);
+            }
+            assert_eq!(raw.len() - start, dtype.type_size());
+        }
+    }
+    let storage = candle_core::quantized::QStorage::from_data(
+        std::borrow::Cow::Owned(raw),
+        &Device::Cpu,
+        dtype,
+    )
+    .unwrap();
+    QTensor::new(storage, (n, k)).unwrap()
+}
+
+/// Weights at their largest magnitudes against activations all at +127 or all at -127: the
+/// 16-bit partial sums of the AVX2 kernels neither saturate nor wrap, so every build gives the
+/// portable build's bits (its integer sums are plain i32), for `Q6_K` up to FMA rounding.
+#[test]
+fn extreme_blocks_do_not_overflow() {
+    let (n, k) = (32, 512);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+    let noise: Vec<u8> = (0..n * 256).map(|_| rng.random()).collect();
+    // Rows 0..8 all ones bits (every nibble 15, 5-bit 31, 6-bit 63, scales 63 or -1), rows 8..16
+    // 0x80 (Q8_0's -128, Q6_K's scale -128), the rest noise.
+    let q = |j: usize, i: usize| match j {
+        0..8 => 0xFF,
+        8..16 => 0x80,
+        _ => noise[j * 256 + i],
+    };
+    let mut xs: Vec<f32> = vec![1.5; k];
+    xs.extend(vec![-1.5; k]);
+    xs.extend((0..k).map(|i| if i % 3 == 0 { 1.5 } else { -1.5 }));
+    let xs = Tensor::from_vec(xs, (3, k), &Device::Cpu).unwrap();
+    for dtype in TYPES {
+        let q = QWeight::new(Arc::new(raw_weight(dtype, n, k, q))).unwrap();
+        let scalar = bits(Isa::SCALAR, &q, &xs);
+        for isa in Isa::available() {
+            let got = bits(isa, &q, &xs);
+            if dtype != GgmlDType::Q6K {
+                assert_eq!(got, scalar, "{dtype:?} {isa} vs scalar");
+                continue;
+            }
+            for (r, (g, s)) in got.iter().zip(&scalar).enumerate() {
+                for (j, (&g, &s)) in g.iter().zip(s).enumerate() {
+                    let (g, s) = (f32::from_bits(g), f32::from_bits(s));
+                    assert!(
+                        (g - s).abs() <= 1e-5 * s.abs().max(1.0),
+                        "{dtype:?} {isa} row {r} output {j}: {g} vs scalar {s}"
+                    );
+                }
+            }
+        }
+    }
+}
