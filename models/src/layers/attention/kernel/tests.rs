@@ -16,8 +16,13 @@ fn rand_vec(n: usize, rng: &mut rand::rngs::StdRng) -> Vec<f32> {
 
 /// A pool with sequences of the given lengths, K/V random.
 fn pool_with(lens: &[usize], seed: u64) -> (KvPool, Vec<SeqId>) {
+    pool_dims(lens, seed, KV, D)
+}
+
+/// [`pool_with`] for `kv` heads of width `d`.
+fn pool_dims(lens: &[usize], seed: u64, kv: usize, d: usize) -> (KvPool, Vec<SeqId>) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut pool = KvPool::new(KvLayout::uniform(1, KV, D), 64).unwrap();
+    let mut pool = KvPool::new(KvLayout::uniform(1, kv, d), 64).unwrap();
     let seqs = lens
         .iter()
         .map(|&n| {
@@ -25,7 +30,7 @@ fn pool_with(lens: &[usize], seed: u64) -> (KvPool, Vec<SeqId>) {
             pool.append(s, &vec![0; n]).unwrap();
             for p in 0..n {
                 let (b, off) = pool.locate(s, p).unwrap();
-                let (k, v) = (rand_vec(KV * D, &mut rng), rand_vec(KV * D, &mut rng));
+                let (k, v) = (rand_vec(kv * d, &mut rng), rand_vec(kv * d, &mut rng));
                 pool.write(0, b, off, &k, &v);
             }
             s
@@ -192,4 +197,71 @@ fn exp_is_accurate_on_the_softmax_range() {
         );
     }
     assert_eq!(exp(0.0), 1.0);
+}
+
+/// Every head width (whole 32-column chunks, 8-column chunks, a scalar tail) and group size
+/// (queries paired within a row and across rows): each row of a chunk equals the row alone
+/// and the f64 softmax, on every path.
+#[test]
+fn head_widths_and_groups_pair_queries_without_changing_a_row() {
+    for (kv, groups, d) in [(1, 1, 8), (2, 3, 36), (1, 4, 40), (2, 2, 64), (1, 3, 128)] {
+        let heads = kv * groups;
+        let len = 2 * BLOCK_SIZE + 11;
+        let (pool, seqs) = pool_dims(&[len], 7 + d as u64, kv, d);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+        let rows = 19;
+        let pos = len - rows;
+        let w = heads * d;
+        let q = rand_vec(rows * w, &mut rng);
+        for window in [None, Some(BLOCK_SIZE - 5)] {
+            let s = Shape {
+                n_heads: heads,
+                kv_heads: kv,
+                head_dim: d,
+                scale: 1.0 / (d as f32).sqrt(),
+                window,
+            };
+            let whole = attend(&q, &[span(&pool, seqs[0], 0, pos, rows)], &pool, 0, s);
+            for path in [Path::Avx512, Path::Avx2, Path::Baseline] {
+                let other = attend_on(path, &q, &[span(&pool, seqs[0], 0, pos, rows)], &pool, 0, s);
+                assert!(same_bits(&other, &whole), "d {d} groups {groups}: {path:?}");
+            }
+            let (k, v) = pool.read_rows(seqs[0], 0, 0..len).unwrap();
+            for r in 0..rows {
+                let one = &q[r * w..(r + 1) * w];
+                let alone = attend(one, &[span(&pool, seqs[0], 0, pos + r, 1)], &pool, 0, s);
+                let got = &whole[r * w..(r + 1) * w];
+                assert!(
+                    same_bits(&alone, got),
+                    "d {d} groups {groups} {window:?}: row {r}"
+                );
+                let p = pos + r;
+                let lo = window.map_or(0, |w| (p + 1).saturating_sub(w));
+                for h in 0..heads {
+                    let kvh = h / groups;
+                    let qh = &one[h * d..(h + 1) * d];
+                    let sc: Vec<f64> = (lo..=p)
+                        .map(|t| {
+                            let kt = &k[(t * kv + kvh) * d..][..d];
+                            let dot: f64 =
+                                qh.iter().zip(kt).map(|(a, b)| *a as f64 * *b as f64).sum();
+                            dot / (d as f64).sqrt()
+                        })
+                        .collect();
+                    let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for i in 0..d {
+                        let want: f64 = (lo..=p)
+                            .zip(&e)
+                            .map(|(t, e)| e * v[(t * kv + kvh) * d + i] as f64)
+                            .sum::<f64>()
+                            / z;
+                        let err = (want - got[h * d + i] as f64).abs();
+                        assert!(err < 3e-6, "d {d} groups {groups} row {r} head {h}: {err}");
+                    }
+                }
+            }
+        }
+    }
 }
