@@ -674,6 +674,7 @@ impl Loaded {
                         features,
                     },
                     calibration,
+                    self.threshold,
                 ))
             }
             Kind::DSpark => {
@@ -745,7 +746,8 @@ impl Loaded {
                     },
                 };
                 Ok(match needs_features {
-                    true => self.calibrated(block, calibration),
+                    // DeepSpec without a confidence head never cuts: no threshold here.
+                    true => self.calibrated(block, calibration, 0.0),
                     false => block,
                 })
             }
@@ -754,16 +756,16 @@ impl Loaded {
 
     /// A block without a confidence head: its calibrated confidences, and the cut at the first
     /// below the threshold (as DSpark's head cuts; ℓ = 0: nothing to verify this round).
-    fn calibrated(&self, mut block: Block, calibration: &Calibration) -> Block {
+    fn calibrated(&self, mut block: Block, calibration: &Calibration, threshold: f32) -> Block {
         let conf: Vec<f32> = block
             .features
             .iter()
             .map(|&f| calibration.confidence(f))
             .collect();
-        let keep = match self.threshold > 0.0 {
+        let keep = match threshold > 0.0 {
             true => conf
                 .iter()
-                .position(|&c| c < self.threshold)
+                .position(|&c| c < threshold)
                 .unwrap_or(conf.len()),
             false => conf.len(),
         };
