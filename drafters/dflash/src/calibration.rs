@@ -51,6 +51,8 @@ fn bin(feature: f32) -> usize {
 impl Calibration {
     /// The estimated probability that a draft with this feature is accepted, once reached.
     pub fn confidence(&self, feature: f32) -> f32 {
+        // NaN (a broken row) counts as no confidence at all.
+        let feature = if feature.is_nan() { 0.0 } else { feature };
         let prior = f64::from(feature.clamp(0.0, 1.0));
         let (accepted, judged) = self.bins[bin(feature)];
         let c = (accepted + PRIOR_WEIGHT * prior) / (judged + PRIOR_WEIGHT);
@@ -96,13 +98,16 @@ pub fn probability_of(row: &[f32], at: usize) -> f32 {
 }
 
 /// `eˣ` for `x ≤ 0` (relative error below 2·10⁻⁴; 0 below −87): `2^i · 2^f` with `i` the
-/// truncated integer part of `x·log₂e` and `f ∈ (−1, 0]` by a degree-5 Taylor polynomial.
+/// truncated integer part of `x·log₂e` and `2^f = e^(f·ln 2)`, `f ∈ (−1, 0]`, by a degree-6
+/// Taylor polynomial.
 /// Branch-free, so the sum over a row vectorises.
 pub fn exp_le0(x: f32) -> f32 {
     let t = x.max(-87.0) * std::f32::consts::LOG2_E;
     let i = t as i32;
     let f = (t - i as f32) * std::f32::consts::LN_2;
-    let p = 1.0 + f * (1.0 + f * (0.5 + f * (1.0 / 6.0 + f * (1.0 / 24.0 + f * (1.0 / 120.0)))));
+    let p = 1.0
+        + f * (1.0
+            + f * (0.5 + f * (1.0 / 6.0 + f * (1.0 / 24.0 + f * (1.0 / 120.0 + f / 720.0)))));
     let scale = f32::from_bits(((i + 127) as u32) << 23);
     let y = scale * p;
     if x < -87.0 {
