@@ -343,9 +343,14 @@ fn distinct_prompts_do_not_grow_the_pool_past_its_prefix_cache_budget() {
             ..EngineConfig::default()
         };
         let slot = ProposerSlot::new(None);
-        let mut core =
-            Core::with_counters(&loaded.model, &loaded.tokenizer, &slot, config, counters.clone())
-                .expect("core");
+        let mut core = Core::with_counters(
+            &loaded.model,
+            &loaded.tokenizer,
+            &slot,
+            config,
+            counters.clone(),
+        )
+        .expect("core");
         let results: Results = Arc::new(Mutex::new(vec![None; 2]));
         // Distinct first blocks: n's digits in base 50 lead.
         let prompt = |n: usize| -> Vec<u32> {
@@ -373,7 +378,10 @@ fn distinct_prompts_do_not_grow_the_pool_past_its_prefix_cache_budget() {
         }
         // Two running sequences hold at most 2 blocks each; the arena doubles as it grows.
         let bound = 2 * (4 + mib * budget_blocks) * 32;
-        assert!(peak <= bound, "budget {mib} MiB: the arena reached {peak} positions (bound {bound})");
+        assert!(
+            peak <= bound,
+            "budget {mib} MiB: the arena reached {peak} positions (bound {bound})"
+        );
         // Distinct prompts made more cached blocks than the budget keeps: the bound was exercised.
         assert!(2 * rounds > mib * budget_blocks);
         let before = counters.snapshot().prefix_hit_tokens;
@@ -388,7 +396,11 @@ fn distinct_prompts_do_not_grow_the_pool_past_its_prefix_cache_budget() {
             core.step().expect("step");
         }
         let hit = counters.snapshot().prefix_hit_tokens - before;
-        assert_eq!(hit, 32 * mib as u64, "budget {mib} MiB: the last prompt's block");
+        assert_eq!(
+            hit,
+            32 * mib as u64,
+            "budget {mib} MiB: the last prompt's block"
+        );
     }
 }
 

@@ -282,7 +282,10 @@ impl KvPool {
     /// Drops the least recently released cached blocks past the budget back to the free list.
     fn trim_cache(&mut self) {
         while self.lru.len() > self.cache_budget {
-            let (_, b) = self.lru.pop_first().expect("invariant: over budget, so not empty");
+            let (_, b) = self
+                .lru
+                .pop_first()
+                .expect("invariant: over budget, so not empty");
             self.meta[b as usize].lru = None;
             self.unindex(b);
             self.free.push(b);

@@ -75,10 +75,15 @@ fn args() -> Result<Args> {
             "--streams" => a.streams = value.parse()?,
             "--reps" => a.reps = value.parse()?,
             "--max-batch-tokens" => a.batch_tokens = value.parse()?,
-            _ => anyhow::bail!("unknown flag {flag} (--model, --streams, --reps, --max-batch-tokens)"),
+            _ => anyhow::bail!(
+                "unknown flag {flag} (--model, --streams, --reps, --max-batch-tokens)"
+            ),
         }
     }
-    anyhow::ensure!(a.streams > 0 && a.reps > 0, "--streams and --reps must be positive");
+    anyhow::ensure!(
+        a.streams > 0 && a.reps > 0,
+        "--streams and --reps must be positive"
+    );
     Ok(a)
 }
 
@@ -141,7 +146,10 @@ fn burst(loaded: &LoadedModel, prompts: &[Vec<u32>], batch_tokens: usize) -> Res
     }
     let started = Instant::now();
     let mut steps = 0;
-    while firsts.iter().any(|f| f.lock().expect("not poisoned").is_none()) {
+    while firsts
+        .iter()
+        .any(|f| f.lock().expect("not poisoned").is_none())
+    {
         core.step()?;
         steps += 1;
         anyhow::ensure!(steps < 10_000, "the burst never finished");
@@ -160,7 +168,12 @@ fn median(mut xs: Vec<f64>) -> f64 {
 }
 
 /// Median over `reps` of [`burst`], steps of the last.
-fn timed(loaded: &LoadedModel, prompts: &[Vec<u32>], batch: usize, reps: usize) -> Result<(f64, usize)> {
+fn timed(
+    loaded: &LoadedModel,
+    prompts: &[Vec<u32>],
+    batch: usize,
+    reps: usize,
+) -> Result<(f64, usize)> {
     let mut times = Vec::new();
     let mut steps = 0;
     for _ in 0..reps {
@@ -197,7 +210,10 @@ fn main() -> Result<()> {
     println!("| what | last first token ms | × one prompt alone | steps |");
     println!("|---|---|---|---|");
     println!("| one prompt alone | {alone:.1} | 1.00 | 1 |");
-    println!("| floor: one forward over all {rows} rows | {floor:.1} | {:.2} | 1 |", floor / alone);
+    println!(
+        "| floor: one forward over all {rows} rows | {floor:.1} | {:.2} | 1 |",
+        floor / alone
+    );
     println!(
         "| dedup floor: one forward over {unique} rows | {dedup:.1} | {:.2} | 1 |",
         dedup / alone

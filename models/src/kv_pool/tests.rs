@@ -228,7 +228,10 @@ fn the_cache_budget_bounds_cached_blocks_and_the_arena_over_many_prompts() {
         pool.release(b).unwrap();
         let s = pool.stats();
         assert!(s.cached_blocks <= 3, "round {round}: {s:?}");
-        assert!(s.arena_blocks <= 8, "round {round}: the arena grew to {s:?}");
+        assert!(
+            s.arena_blocks <= 8,
+            "round {round}: the arena grew to {s:?}"
+        );
         last = tb;
     }
     // The most recently released prompt is still found; an old one is not.
