@@ -366,7 +366,9 @@ fn distinct_prompts_do_not_grow_the_pool_past_its_prefix_cache_budget() {
                     results: results.clone(),
                     i,
                 };
-                let req = request(0, &prompt(2 * round + i), 4, Speculation::Off);
+                // `Core` takes the session as given: one per request.
+                let n = 2 * round + i;
+                let req = request(n as u64 + 1, &prompt(n), 4, Speculation::Off);
                 core.admit(req, Box::new(sink)).expect("admitted");
             }
             while core.has_work() {
@@ -390,8 +392,11 @@ fn distinct_prompts_do_not_grow_the_pool_past_its_prefix_cache_budget() {
             i: 0,
         };
         let last = prompt(2 * rounds - 1);
-        core.admit(request(0, &last, 4, Speculation::Off), Box::new(sink))
-            .expect("admitted");
+        core.admit(
+            request(u64::MAX, &last, 4, Speculation::Off),
+            Box::new(sink),
+        )
+        .expect("admitted");
         while core.has_work() {
             core.step().expect("step");
         }
