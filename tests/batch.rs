@@ -321,6 +321,94 @@ fn admission_is_bounded_and_cancellation_frees_the_pool() {
     assert!(!g.token_ids.is_empty() && g.token_ids.len() <= 4);
 }
 
+/// Many requests with distinct prompts (a server's life): the pool keeps at most
+/// `--prefix-cache-mib` of blocks nobody holds, so its arena (its host memory) stops growing
+/// at the running peak plus that budget instead of filling the whole pool; the most recent
+/// prompts still hit.
+#[test]
+fn distinct_prompts_do_not_grow_the_pool_past_its_prefix_cache_budget() {
+    let (_dir, loaded) = tiny_loaded("llama", 2);
+    let block_bytes = loaded.model.new_pool(1).expect("pool").block_bytes();
+    let budget_blocks = (1 << 20) / block_bytes;
+    let rounds = budget_blocks + 16;
+    for mib in [0, 1] {
+        let counters = Arc::new(Counters::default());
+        let config = EngineConfig {
+            max_running: 2,
+            max_batch_tokens: 64,
+            // Room for far more than the budget: only the budget may stop the growth.
+            kv_pool_tokens: 64 * 4 * budget_blocks,
+            prefix_cache_mib: mib,
+            profile: false,
+            ..EngineConfig::default()
+        };
+        let slot = ProposerSlot::new(None);
+        let mut core = Core::with_counters(
+            &loaded.model,
+            &loaded.tokenizer,
+            &slot,
+            config,
+            counters.clone(),
+        )
+        .expect("core");
+        let results: Results = Arc::new(Mutex::new(vec![None; 2]));
+        // Distinct first blocks: n's digits in base 50 lead.
+        let prompt = |n: usize| -> Vec<u32> {
+            let digits = [n % 50, n / 50 % 50, n / 2500 % 50];
+            (0..40)
+                .map(|i| (digits.get(i).copied().unwrap_or(i % 50) + 1) as u32)
+                .collect()
+        };
+        let mut peak = 0;
+        for round in 0..rounds {
+            for i in 0..2 {
+                let sink = Keep {
+                    results: results.clone(),
+                    i,
+                };
+                // `Core` takes the session as given: one per request.
+                let n = 2 * round + i;
+                let req = request(n as u64 + 1, &prompt(n), 4, Speculation::Off);
+                core.admit(req, Box::new(sink)).expect("admitted");
+            }
+            while core.has_work() {
+                core.step().expect("step");
+            }
+            let c = counters.snapshot();
+            assert!(c.pool_cached <= mib * budget_blocks * 32, "{c:?}");
+            peak = peak.max(c.pool_arena);
+        }
+        // Two running sequences hold at most 2 blocks each; the arena doubles as it grows.
+        let bound = 2 * (4 + mib * budget_blocks) * 32;
+        assert!(
+            peak <= bound,
+            "budget {mib} MiB: the arena reached {peak} positions (bound {bound})"
+        );
+        // Distinct prompts made more cached blocks than the budget keeps: the bound was exercised.
+        assert!(2 * rounds > mib * budget_blocks);
+        let before = counters.snapshot().prefix_hit_tokens;
+        let sink = Keep {
+            results: results.clone(),
+            i: 0,
+        };
+        let last = prompt(2 * rounds - 1);
+        core.admit(
+            request(u64::MAX, &last, 4, Speculation::Off),
+            Box::new(sink),
+        )
+        .expect("admitted");
+        while core.has_work() {
+            core.step().expect("step");
+        }
+        let hit = counters.snapshot().prefix_hit_tokens - before;
+        assert_eq!(
+            hit,
+            32 * mib as u64,
+            "budget {mib} MiB: the last prompt's block"
+        );
+    }
+}
+
 /// 32 streams that each ask for the whole context, against a pool of 4 contexts: never more
 /// than 4 run, the pool is never over-reserved nor over-filled, 16 wait in the bounded queue and
 /// all of them finish (each as its solo plain run), the other 16 are refused as busy.

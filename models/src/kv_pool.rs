@@ -32,7 +32,11 @@
 //! whole prefix. [`KvPool::adopt_prefix`] walks a new sequence's tokens block by block and
 //! takes the longest chain found. Blocks nobody references but the index still names stay
 //! cached; allocation takes free blocks first and then evicts the least recently released
-//! cached one. A full pool is [`Error::KvPoolFull`], never a panic.
+//! cached one. A full pool is [`Error::KvPoolFull`], never a panic. At most
+//! [`KvPool::set_cache_budget`] blocks stay cached: a block released past that budget sends the
+//! least recently released one back to the free list, so the arena (which only grows) stops
+//! growing once it holds the running sequences' peak plus the budget, however many distinct
+//! prompts go by.
 //!
 //! **Three users, one layout.**
 //! - *Batching* (the engine): many sequences in one pool, admission by
@@ -139,6 +143,8 @@ pub struct PoolStats {
     pub used_blocks: usize,
     /// Unreferenced blocks kept for the prefix index (evictable).
     pub cached_blocks: usize,
+    /// Blocks the arena has materialised (host memory held; it never shrinks).
+    pub arena_blocks: usize,
     /// Live sequences.
     pub sequences: usize,
     /// Tokens offered to [`KvPool::adopt_prefix`] in full blocks.
@@ -183,6 +189,8 @@ pub struct KvPool {
     meta: Vec<BlockMeta>,
     free: Vec<BlockId>,
     lru: BTreeMap<u64, BlockId>,
+    /// Most blocks kept in `lru`.
+    cache_budget: usize,
     tick: u64,
     index: HashMap<BlockKey, BlockId>,
     seqs: Vec<Option<SeqState>>,
@@ -229,6 +237,7 @@ impl KvPool {
             meta: Vec::new(),
             free: Vec::new(),
             lru: BTreeMap::new(),
+            cache_budget: usize::MAX,
             tick: 0,
             index: HashMap::new(),
             seqs: Vec::new(),
@@ -248,12 +257,38 @@ impl KvPool {
         &self.layout
     }
 
+    /// Host bytes of one block (every slot's K and V).
+    pub fn block_bytes(&self) -> usize {
+        self.block_floats * std::mem::size_of::<f32>()
+    }
+
     /// Usage counters.
     pub fn stats(&self) -> PoolStats {
         PoolStats {
             cached_blocks: self.lru.len(),
+            arena_blocks: self.meta.len(),
             sequences: self.seqs.iter().flatten().count(),
             ..self.stats
+        }
+    }
+
+    /// Keeps at most `blocks` unreferenced blocks for the prefix index (unbounded until
+    /// set); the least recently released ones past it are dropped from the index now.
+    pub fn set_cache_budget(&mut self, blocks: usize) {
+        self.cache_budget = blocks;
+        self.trim_cache();
+    }
+
+    /// Drops the least recently released cached blocks past the budget back to the free list.
+    fn trim_cache(&mut self) {
+        while self.lru.len() > self.cache_budget {
+            let (_, b) = self
+                .lru
+                .pop_first()
+                .expect("invariant: over budget, so not empty");
+            self.meta[b as usize].lru = None;
+            self.unindex(b);
+            self.free.push(b);
         }
     }
 
@@ -815,6 +850,7 @@ impl KvPool {
                 self.tick += 1;
                 m.lru = Some(self.tick);
                 self.lru.insert(self.tick, b);
+                self.trim_cache();
             }
             false => self.free.push(b),
         }

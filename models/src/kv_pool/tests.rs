@@ -213,6 +213,44 @@ fn full_pool_errors_evicts_lru_and_leaves_sequences_intact() {
 }
 
 #[test]
+fn the_cache_budget_bounds_cached_blocks_and_the_arena_over_many_prompts() {
+    // Room for 64 blocks, but at most 3 kept cached: 200 distinct two-block prompts, two at a
+    // time, must not grow the arena past the running peak (4 blocks) plus the budget.
+    let mut pool = KvPool::new(layout(), 64).unwrap();
+    pool.set_cache_budget(3);
+    let mut last = Vec::new();
+    for round in 0..100u32 {
+        let (a, b) = (pool.create(), pool.create());
+        let (ta, tb) = (ids(2 * B, 1000 + 2 * round), ids(2 * B, 1001 + 2 * round));
+        feed(&mut pool, a, &ta);
+        feed(&mut pool, b, &tb);
+        pool.release(a).unwrap();
+        pool.release(b).unwrap();
+        let s = pool.stats();
+        assert!(s.cached_blocks <= 3, "round {round}: {s:?}");
+        assert!(
+            s.arena_blocks <= 8,
+            "round {round}: the arena grew to {s:?}"
+        );
+        last = tb;
+    }
+    // The most recently released prompt is still found; an old one is not.
+    let c = pool.create();
+    assert_eq!(pool.adopt_prefix(c, &last).unwrap(), 2 * B);
+    check(&pool, c, &last);
+    let d = pool.create();
+    assert_eq!(pool.adopt_prefix(d, &ids(2 * B, 1000)).unwrap(), 0);
+    // Lowering the budget drops the excess at once; 0 keeps nothing.
+    pool.release(c).unwrap();
+    assert_eq!(pool.stats().cached_blocks, 3);
+    pool.set_cache_budget(0);
+    assert_eq!(pool.stats().cached_blocks, 0);
+    let e = pool.create();
+    assert_eq!(pool.adopt_prefix(e, &last).unwrap(), 0);
+    assert_eq!(pool.available_blocks(), 64);
+}
+
+#[test]
 fn chain_keys_are_the_keys_a_sequence_enters_and_adopts() {
     let mut pool = KvPool::new(layout(), 16).unwrap();
     let a = pool.create();

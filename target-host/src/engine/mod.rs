@@ -69,6 +69,11 @@ pub struct EngineConfig {
     /// its drafts).
     #[arg(long, default_value_t = 4.0)]
     pub draft_deadline_steps: f64,
+    /// KV pool memory kept for the prefix cache once no running sequence holds it, in MiB:
+    /// blocks past it are reused least recently released first, so the pool's memory stops
+    /// growing at the running sequences' peak plus this (0: no prefix cache).
+    #[arg(long, default_value_t = 128)]
+    pub prefix_cache_mib: usize,
     /// Host memory for the drafter taps of prefix-cached blocks, in MiB (0: sequences that
     /// feed a tap drafter prefill their whole prompt instead of adopting cached blocks).
     #[arg(long, default_value_t = 256)]
@@ -88,6 +93,7 @@ impl Default for EngineConfig {
             max_waiting: 64,
             max_batch_tokens: 256,
             kv_pool_tokens: 0,
+            prefix_cache_mib: 128,
             draft_deadline_steps: 4.0,
             tap_cache_mib: 256,
             draft_deadline_cap: Duration::from_millis(500),
@@ -142,6 +148,7 @@ pub struct Counters {
     pool_reserved: AtomicUsize,
     pool_used: AtomicUsize,
     pool_cached: AtomicUsize,
+    pool_arena: AtomicUsize,
     steps: AtomicU64,
     batch_rows: AtomicU64,
     last_batch_rows: AtomicUsize,
@@ -172,6 +179,8 @@ pub struct EngineCounters {
     pub pool_used: usize,
     /// Positions in unreferenced blocks kept for the prefix cache (evictable).
     pub pool_cached: usize,
+    /// Positions the pool's arena has materialised (its host memory; it never shrinks).
+    pub pool_arena: usize,
     /// Steps run.
     pub steps: u64,
     /// Target rows over all steps.
@@ -215,6 +224,8 @@ impl Counters {
             .store(pool.used_blocks * BLOCK_SIZE, Ordering::Relaxed);
         self.pool_cached
             .store(pool.cached_blocks * BLOCK_SIZE, Ordering::Relaxed);
+        self.pool_arena
+            .store(pool.arena_blocks * BLOCK_SIZE, Ordering::Relaxed);
         self.prefix_lookups
             .store(pool.prefix_query_tokens, Ordering::Relaxed);
         self.prefix_hit_tokens
@@ -260,6 +271,7 @@ impl Counters {
             pool_reserved: r(&self.pool_reserved),
             pool_used: r(&self.pool_used),
             pool_cached: r(&self.pool_cached),
+            pool_arena: r(&self.pool_arena),
             steps: q(&self.steps),
             batch_rows: q(&self.batch_rows),
             last_batch_rows: r(&self.last_batch_rows),
@@ -574,7 +586,7 @@ pub type EngineSeries = (&'static str, SeriesKind, &'static str, f64);
 
 impl EngineCounters {
     /// The counters as metric series, in a fixed order (the same names at every call).
-    pub fn series(&self) -> [EngineSeries; 18] {
+    pub fn series(&self) -> [EngineSeries; 19] {
         [
             (
                 "specula_engine_running",
@@ -611,6 +623,12 @@ impl EngineCounters {
                 SeriesKind::Gauge,
                 "KV positions cached for prefix reuse (evictable).",
                 self.pool_cached as f64,
+            ),
+            (
+                "specula_kv_pool_arena_tokens",
+                SeriesKind::Gauge,
+                "KV positions the pool's host memory holds (running peak plus the prefix cache).",
+                self.pool_arena as f64,
             ),
             (
                 "specula_engine_steps_total",

@@ -117,7 +117,12 @@ impl<'a> Core<'a> {
         Ok(Core {
             tokenizer,
             slot,
-            target: Target::new(model, limits.pool_tokens, limits.max_running)?,
+            target: Target::new(
+                model,
+                limits.pool_tokens,
+                limits.max_running,
+                config.prefix_cache_mib << 20,
+            )?,
             sched: Scheduler::new(limits),
             live: Vec::new(),
             controller: Controller::new(CostTable::new(points)),
@@ -281,9 +286,10 @@ impl<'a> Core<'a> {
                     room -= fixed[j];
                 }
                 Speculation::Adaptive { max_draft_tokens } => {
-                    let alpha = self.live[at].acceptance.alpha(self.controller.prior());
+                    let acceptance = &self.live[at].acceptance;
                     cands.push(Candidate {
-                        alpha,
+                        alpha: acceptance.alpha(self.controller.prior()),
+                        hit: acceptance.hit(self.controller.prior_hit()),
                         max: max_draft_tokens.min(cap),
                     });
                     cand_of.push(j);
@@ -386,12 +392,13 @@ impl<'a> Core<'a> {
         let ms = started.elapsed().as_secs_f64() * 1e3;
         let longest = asks.iter().map(|a| a.n).max().unwrap_or(0);
         self.controller.observe_draft(longest, ms);
+        let floor = self.confidence_floor(parts);
         let mut drafts = drafts.into_iter();
         for p in parts.iter_mut() {
             if let PartKind::Decode { asked, draft } = &mut p.kind {
                 if *asked > 0 {
                     *draft = drafts.next().unwrap_or_default();
-                    trim_by_confidence(draft);
+                    trim_by_confidence(draft, floor);
                     // Drafts the grammar forbids would only be rejected: they get no row.
                     if let Some(g) = &mut self.live[p.at].seq.grammar {
                         let valid = g.check_draft(&draft.tokens);
@@ -401,6 +408,27 @@ impl<'a> Core<'a> {
             }
         }
         ms
+    }
+
+    /// The reach (probability of being reached and accepted) below which a drafted token is
+    /// verified at a loss: one more row's cost over what the step commits per millisecond.
+    /// On a CPU a row costs ~0.4 of a one-row step; on a GPU nearly nothing, where
+    /// [`CONFIDENCE_FLOOR`] remains.
+    fn confidence_floor(&self, parts: &[Part]) -> f32 {
+        let (mut rows, mut seqs) = (0, 0);
+        for p in parts {
+            match &p.kind {
+                PartKind::Decode { .. } => {
+                    rows += 1;
+                    seqs += 1;
+                }
+                PartKind::Prefill { chunk } => rows += chunk,
+            }
+        }
+        let cost = &self.controller.cost;
+        let step = cost.cost(rows.max(1));
+        let row = cost.cost(rows.max(1) + 1) - step;
+        ((row * seqs as f64 / step) as f32).max(CONFIDENCE_FLOOR)
     }
 
     /// How long the proposer may take: a few target steps of the size planned, within the
@@ -628,14 +656,14 @@ impl<'a> Core<'a> {
     }
 }
 
-/// Below this probability that a draft token is reached and accepted (the product of the
-/// drafter's per-token confidences), verifying it costs more than it is expected to commit.
+/// The lowest reach (the product of the drafter's per-token confidences: the probability that
+/// a draft token is reached and accepted) worth a verify row, however cheap rows are.
 const CONFIDENCE_FLOOR: f32 = 0.1;
 
-/// Cuts a draft where the drafter's own confidences say the rest will be rejected anyway
-/// (DSpark's confidence-scheduled length; SpecDec++'s stopping rule). Drafts without
+/// Cuts a draft where the drafter's own confidences say the rest is reached less often than
+/// `floor` (DSpark's confidence-scheduled length; SpecDec++'s stopping rule). Drafts without
 /// confidences are kept whole.
-fn trim_by_confidence(draft: &mut Draft) {
+fn trim_by_confidence(draft: &mut Draft, floor: f32) {
     let Some(conf) = &draft.confidence else {
         return;
     };
@@ -644,7 +672,7 @@ fn trim_by_confidence(draft: &mut Draft) {
         .iter()
         .take_while(|&&c| {
             reach *= c;
-            reach >= CONFIDENCE_FLOOR
+            reach >= floor
         })
         .count();
     cut(draft, keep);
@@ -744,15 +772,20 @@ mod tests {
             q: None,
             confidence: Some(vec![0.9, 0.5, 0.2, 0.9]),
         };
-        trim_by_confidence(&mut d);
+        let whole = d.clone();
+        trim_by_confidence(&mut d, CONFIDENCE_FLOOR);
         // 0.9, 0.45, then 0.09 < 0.1: two kept.
         assert_eq!(d.tokens, vec![1, 2]);
         assert_eq!(d.confidence, Some(vec![0.9, 0.5]));
+        // Where a row costs 0.5 of what the step commits, 0.45 is not worth it.
+        let mut cpu = whole;
+        trim_by_confidence(&mut cpu, 0.5);
+        assert_eq!(cpu.tokens, vec![1]);
         let mut plain = Draft {
             tokens: vec![1, 2, 3],
             ..Draft::default()
         };
-        trim_by_confidence(&mut plain);
+        trim_by_confidence(&mut plain, 0.9);
         assert_eq!(plain.tokens.len(), 3, "no confidences: kept whole");
     }
 }

@@ -66,15 +66,23 @@ pub struct Target<'m> {
 
 impl<'m> Target<'m> {
     /// A pool of at least `positions` positions for `model`, with one spare block per
-    /// sequence of `max_running` (partly filled last blocks).
+    /// sequence of `max_running` (partly filled last blocks), keeping at most `cache_bytes` of
+    /// blocks no sequence holds for the prefix cache.
     ///
     /// # Errors
     /// A pool that cannot be made (zero capacity).
-    pub fn new(model: &'m Model, positions: usize, max_running: usize) -> anyhow::Result<Self> {
+    pub fn new(
+        model: &'m Model,
+        positions: usize,
+        max_running: usize,
+        cache_bytes: usize,
+    ) -> anyhow::Result<Self> {
         let blocks = positions.div_ceil(BLOCK_SIZE) + max_running;
+        let mut pool = model.new_pool(blocks).context("creating the KV pool")?;
+        pool.set_cache_budget(cache_bytes / pool.block_bytes());
         Ok(Target {
             model,
-            pool: model.new_pool(blocks).context("creating the KV pool")?,
+            pool,
             seqs: HashMap::new(),
             donor: None,
         })
