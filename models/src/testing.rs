@@ -277,6 +277,9 @@ pub fn repo_root() -> PathBuf {
 /// Path of a real GGUF model, fetched by `scripts/fetch-model` when absent. Panics rather
 /// than skipping: a test without its model must not pass as green.
 pub fn real_model(name: &str) -> PathBuf {
+    // Two tests asking for the same model at once would race on the download.
+    static FETCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = FETCH.lock().unwrap_or_else(|e| e.into_inner());
     let out = std::process::Command::new(repo_root().join("scripts/fetch-model"))
         .arg(name)
         .output()

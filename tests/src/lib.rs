@@ -7,7 +7,6 @@ pub mod tiny;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Mutex;
 
 /// Root of the workspace (the folder holding the top-level `Cargo.toml`).
 pub fn workspace_root() -> PathBuf {
@@ -17,27 +16,9 @@ pub fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
-/// Path of a real GGUF model, fetched by `scripts/fetch-model NAME` when it is not there yet.
-///
-/// # Panics
-/// When the fetch script fails: the end-to-end tests cannot run without their model, and a
-/// skipped test must not pass as green.
-pub fn model_path(name: &str) -> PathBuf {
-    // Two tests asking for the same model at once would race on the download.
-    static FETCH: Mutex<()> = Mutex::new(());
-    let _guard = FETCH.lock().unwrap_or_else(|e| e.into_inner());
-    let root = workspace_root();
-    let out = Command::new(root.join("scripts/fetch-model"))
-        .arg(name)
-        .output()
-        .expect("run scripts/fetch-model");
-    assert!(
-        out.status.success(),
-        "scripts/fetch-model {name} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-}
+/// Path of a real GGUF model, fetched by `scripts/fetch-model NAME` when it is not there yet
+/// (one fetch at a time; panics when the fetch fails, so a test without its model never passes).
+pub use specula_models::testing::real_model as model_path;
 
 /// Path of a binary built by this workspace (`target-host`, `ngram`, ...), in the same profile
 /// as the running test.
