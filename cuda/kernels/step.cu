@@ -24,6 +24,7 @@ typedef __nv_bfloat16 bf16;
 #define ATTN_CHUNK 32
 #define ATTN_THREADS 128
 #define HD_MAX 128
+#define MAX_CTX_SPLITS 258  // 8256 positions: shape.rs's MAX_CTX
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -78,17 +79,45 @@ __device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;
 
 __device__ __forceinline__ void grid_launch() { asm volatile("griddepcontrol.launch_dependents;"); }
 
-template <int WARPS>
-__device__ __forceinline__ void skinny_gemm_body(const bf16* __restrict__ X, const bf16* __restrict__ W,
+// 8 activations of row `x` at k (f32 residual stream) times the norm weights `nw` at k,
+// rounded to bf16 pairs as the mma reads them; their squares are added to `ss` (the RMS
+// norm's sum, in one fixed order per lane).
+__device__ __forceinline__ uint4 norm_load(const float* __restrict__ x, const bf16* __restrict__ nw,
+                                           float& ss) {
+  float4 lo = *reinterpret_cast<const float4*>(x);
+  float4 hi = *reinterpret_cast<const float4*>(x + 4);
+  uint4 wr = *reinterpret_cast<const uint4*>(nw);
+  const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wr);
+  float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  uint32_t packed[4];
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    float2 w = __bfloat1622float2(w2[i]);
+    ss += v[2 * i] * v[2 * i];
+    ss += v[2 * i + 1] * v[2 * i + 1];
+    __nv_bfloat162 p = __floats2bfloat162_rn(v[2 * i] * w.x, v[2 * i + 1] * w.y);
+    packed[i] = *reinterpret_cast<uint32_t*>(&p);
+  }
+  return make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
+template <int WARPS, bool NORM>
+__device__ __forceinline__ void skinny_gemm_body(const void* __restrict__ Xv, const bf16* __restrict__ nw,
+                                                 const bf16* __restrict__ W,
                                                  const bf16* __restrict__ bias, void* out, int M, int N,
-                                                 int K, int mode) {
+                                                 int K, int mode, float eps) {
   __shared__ float red[WARPS][MAX_ROWS][8];
+  __shared__ float ssr[WARPS][MAX_ROWS];
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int g = lane >> 2, t = lane & 3;
   int n0 = blockIdx.x * 8;
   const bf16* wrow = W + (size_t)(n0 + g) * K + t * 8;
-  const bf16* x0 = X + (size_t)g * K + t * 8;
-  const bf16* x1 = X + (size_t)(g + 8) * K + t * 8;
+  const bf16* x0 = reinterpret_cast<const bf16*>(Xv) + (size_t)g * K + t * 8;
+  const bf16* x1 = reinterpret_cast<const bf16*>(Xv) + (size_t)(g + 8) * K + t * 8;
+  const float* f0 = reinterpret_cast<const float*>(Xv) + (size_t)g * K + t * 8;
+  const float* f1 = reinterpret_cast<const float*>(Xv) + (size_t)(g + 8) * K + t * 8;
+  const bf16* nwt = nw + t * 8;
+  float ss0 = 0.f, ss1 = 0.f;
   bool r0 = g < M, r1 = g + 8 < M;
   float d[4] = {0.f, 0.f, 0.f, 0.f};
   int chunks = K / 32;
@@ -107,8 +136,13 @@ __device__ __forceinline__ void skinny_gemm_body(const bf16* __restrict__ X, con
       int cc = c + u * WARPS;
       bool in = cc < chunks;
       if (c != warp) wv[u] = in ? load_stream(wrow + cc * 32) : zero;
-      av[u] = (in && r0) ? *reinterpret_cast<const uint4*>(x0 + cc * 32) : zero;
-      bv[u] = (in && r1) ? *reinterpret_cast<const uint4*>(x1 + cc * 32) : zero;
+      if constexpr (NORM) {
+        av[u] = (in && r0) ? norm_load(f0 + cc * 32, nwt + cc * 32, ss0) : zero;
+        bv[u] = (in && r1) ? norm_load(f1 + cc * 32, nwt + cc * 32, ss1) : zero;
+      } else {
+        av[u] = (in && r0) ? *reinterpret_cast<const uint4*>(x0 + cc * 32) : zero;
+        bv[u] = (in && r1) ? *reinterpret_cast<const uint4*>(x1 + cc * 32) : zero;
+      }
     }
 #pragma unroll
     for (int u = 0; u < GEMM_UNROLL; u++) {
@@ -120,8 +154,25 @@ __device__ __forceinline__ void skinny_gemm_body(const bf16* __restrict__ X, con
   red[warp][g][2 * t + 1] = d[1];
   red[warp][g + 8][2 * t] = d[2];
   red[warp][g + 8][2 * t + 1] = d[3];
+  if constexpr (NORM) {
+    ss0 += __shfl_xor_sync(0xffffffffu, ss0, 1);
+    ss0 += __shfl_xor_sync(0xffffffffu, ss0, 2);
+    ss1 += __shfl_xor_sync(0xffffffffu, ss1, 1);
+    ss1 += __shfl_xor_sync(0xffffffffu, ss1, 2);
+    if (t == 0) {
+      ssr[warp][g] = ss0;
+      ssr[warp][g + 8] = ss1;
+    }
+  }
   __syncthreads();
   int tid = threadIdx.x;
+  // The folded norm's scale of row m: rsqrt(mean(x^2) + eps), the warps' sums in order.
+  auto row_scale = [&](int m) {
+    float ss = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; w++) ss += ssr[w][m];
+    return rsqrtf(ss / K + eps);
+  };
   if (mode == 2) {
     if (tid < MAX_ROWS * 4) {
       int m = tid >> 2, j = tid & 3;
@@ -131,6 +182,11 @@ __device__ __forceinline__ void skinny_gemm_body(const bf16* __restrict__ X, con
         for (int w = 0; w < WARPS; w++) {
           gate += red[w][m][2 * j];
           up += red[w][m][2 * j + 1];
+        }
+        if constexpr (NORM) {
+          float rs = row_scale(m);
+          gate *= rs;
+          up *= rs;
         }
         float s = gate / (1.f + __expf(-gate)) * up;
         reinterpret_cast<bf16*>(out)[(size_t)m * (N / 2) + n0 / 2 + j] = __float2bfloat16(s);
@@ -144,6 +200,7 @@ __device__ __forceinline__ void skinny_gemm_body(const bf16* __restrict__ X, con
       float s = 0.f;
 #pragma unroll
       for (int w = 0; w < WARPS; w++) s += red[w][m][col];
+      if constexpr (NORM) s *= row_scale(m);
       float* o = reinterpret_cast<float*>(out) + (size_t)m * N + n0 + col;
       if (mode == 1) {
         *o += s;
@@ -210,22 +267,20 @@ __global__ void rmsnorm(const float* __restrict__ x, const bf16* __restrict__ w,
 //   mode 0: out_f32[m, n] = acc (+ bias[n] when bias is not null)
 //   mode 1: out_f32[m, n] += acc                       (the residual add)
 //   mode 2: columns 2j, 2j+1 are gate_j, up_j: out_bf16[m, j] = silu(gate_j) * up_j
+// `_norm`: X is the f32 residual stream and the RMS norm is folded in: the mma reads
+// bf16(x * nw) and acc is scaled by the row's rsqrt(mean(x^2) + eps), summed on the way.
 // Needs N % 8 == 0, K % 32 == 0, 16-byte aligned rows (the host checks).
-
-__global__ void __launch_bounds__(256)
-    skinny_gemm(const bf16* __restrict__ X, const bf16* __restrict__ W,
-                const bf16* __restrict__ bias, void* out, int M, int N, int K, int mode) {
-  skinny_gemm_body<8>(X, W, bias, out, M, N, K, mode);
-}
-
-// The same capped at 64 registers (one 8-byte spill) so that four blocks fit an SM: the host
-// picks it where that puts every output tile in a single wave (the 512 tiles of a 4096-wide
-// projection on 132 SMs: one wave instead of two; 15-20% faster there, slower with many waves).
-__global__ void __launch_bounds__(256, 4)
-    skinny_gemm_b4(const bf16* __restrict__ X, const bf16* __restrict__ W,
-                const bf16* __restrict__ bias, void* out, int M, int N, int K, int mode) {
-  skinny_gemm_body<8>(X, W, bias, out, M, N, K, mode);
-}
+// `_b4` is capped at 64 registers so that four blocks fit an SM: the host picks it where that
+// puts every output tile in a single wave (the 512 tiles of a 4096-wide projection on 132 SMs:
+// one wave instead of two; 15-20% faster there, slower with many waves).
+#define GEMM_ARGS                                                                              \
+  const void *__restrict__ X, const bf16 *__restrict__ nw, const bf16 *__restrict__ W,         \
+      const bf16 *__restrict__ bias, void *out, int M, int N, int K, int mode, float eps
+#define GEMM_PASS X, nw, W, bias, out, M, N, K, mode, eps
+__global__ void __launch_bounds__(256) skinny_gemm(GEMM_ARGS) { skinny_gemm_body<8, false>(GEMM_PASS); }
+__global__ void __launch_bounds__(256, 4) skinny_gemm_b4(GEMM_ARGS) { skinny_gemm_body<8, false>(GEMM_PASS); }
+__global__ void __launch_bounds__(256) skinny_gemm_norm(GEMM_ARGS) { skinny_gemm_body<8, true>(GEMM_PASS); }
+__global__ void __launch_bounds__(256, 4) skinny_gemm_b4_norm(GEMM_ARGS) { skinny_gemm_body<8, true>(GEMM_PASS); }
 
 // Per (row, head) of the fused q|k|v output: the optional per-head RMS norm (qwen3), rotary
 // embedding (rotate-half) at position state[0] + m, then q to `q` (f32 [M, heads, hd]) and k, v
@@ -334,28 +389,218 @@ __global__ void __launch_bounds__(ATTN_THREADS)
   }
 }
 
+// The merge of split-KV attention, shared by attn_merge and attn_fused so that both give the
+// same bits. By one warp: the weights exp(max_s - max) of row m's splits (exactly 1 for the
+// largest, so a row whose keys sit in one split gets that split's result bit for bit; 0 for
+// splits holding none of its keys) into w[0..used), and their sum weighted by the splits' sums,
+// returned to every lane. `ml` points at the row's (max, sum) of split 0.
+__device__ __forceinline__ float merge_weights(const float* __restrict__ ml, int used, float* w) {
+  int lane = threadIdx.x & 31;
+  float gmax = -INFINITY;
+  for (int p = lane; p < used; p += 32) gmax = fmaxf(gmax, __ldcg(ml + 2 * p));
+  gmax = warp_max(gmax);
+  float l = 0.f;
+  for (int p = lane; p < used; p += 32) {
+    float mx = __ldcg(ml + 2 * p);
+    float wp = mx == -INFINITY ? 0.f : (mx == gmax ? 1.f : __expf(mx - gmax));
+    if (wp != 0.f) l += wp * __ldcg(ml + 2 * p + 1);
+    w[p] = wp;
+  }
+  return warp_sum(l);
+}
+
+// One output value of the merge: the splits' unnormalised outputs `po` (stride hd) weighted.
+__device__ __forceinline__ float merge_value(const float* __restrict__ po, int used, int hd,
+                                             const float* w) {
+  float o = 0.f;
+  for (int p = 0; p < used; p++) {
+    float wp = w[p];
+    if (wp != 0.f) o += wp * __ldcg(po + (size_t)p * hd);
+  }
+  return o;
+}
+
 // Split-KV attention, second pass: row m of head h merges the splits that hold its keys and
 // writes bf16 out[m, h * hd + d]. Grid: (heads, M); block: 128 (hd <= 128).
-__global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                             const int* __restrict__ state, bf16* __restrict__ out, int heads,
-                             int hd, int splits) {
+__global__ void attn_merge(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                           const int* __restrict__ state, bf16* __restrict__ out, int heads,
+                           int hd, int splits) {
+  __shared__ float w_s[MAX_CTX_SPLITS];
+  __shared__ float l_s;
   grid_wait();
   grid_launch();
   int h = blockIdx.x, m = blockIdx.y, dd = threadIdx.x;
   int used = (state[0] + m + 1 + ATTN_CHUNK - 1) / ATTN_CHUNK;
   size_t base = ((size_t)m * heads + h) * splits;
-  float gmax = -INFINITY;
-  for (int s = 0; s < used; s++) gmax = fmaxf(gmax, part_ml[2 * (base + s)]);
-  if (dd >= hd) return;
-  float o = 0.f, l = 0.f;
-  for (int s = 0; s < used; s++) {
-    float mx = part_ml[2 * (base + s)];
-    if (mx == -INFINITY) continue;
-    float w = __expf(mx - gmax);
-    l += w * part_ml[2 * (base + s) + 1];
-    o += w * part_o[(base + s) * hd + dd];
+  if (threadIdx.x < 32) {
+    float l = merge_weights(part_ml + 2 * base, used, w_s);
+    if (threadIdx.x == 0) l_s = l;
   }
-  out[((size_t)m * heads + h) * hd + dd] = __float2bfloat16(o / l);
+  __syncthreads();
+  if (dd < hd) {
+    float o = merge_value(part_o + base * hd + dd, used, hd, w_s);
+    out[((size_t)m * heads + h) * hd + dd] = __float2bfloat16(o / l_s);
+  }
+}
+
+// One head-row of q or k from the fused q|k|v output `src` (hd values), by one warp: the
+// optional per-head RMS norm (qwen3), rotary embedding (rotate-half) at `pos`, times `mul`,
+// into dst[0..hd) (rounded through bf16 when `round`, as the KV cache stores it).
+__device__ __forceinline__ void rope_row(const float* __restrict__ src, const bf16* __restrict__ nw,
+                                         const float* __restrict__ cos_t,
+                                         const float* __restrict__ sin_t, int pos, int hd,
+                                         float eps, float mul, bool round, float* dst) {
+  int lane = threadIdx.x & 31, half = hd / 2;
+  float r = 1.f;
+  if (nw) {
+    float ss = 0.f;
+    for (int i = lane; i < half; i += 32) {
+      float a = src[i], b = src[i + half];
+      ss += a * a + b * b;
+    }
+    r = rsqrtf(warp_sum(ss) / hd + eps);
+  }
+  for (int i = lane; i < half; i += 32) {
+    float a = src[i], b = src[i + half];
+    if (nw) {
+      a = a * r * __bfloat162float(nw[i]);
+      b = b * r * __bfloat162float(nw[i + half]);
+    }
+    float c = cos_t[(size_t)pos * half + i], s = sin_t[(size_t)pos * half + i];
+    float ra = (a * c - b * s) * mul, rb = (b * c + a * s) * mul;
+    if (round) {
+      ra = __bfloat162float(__float2bfloat16(ra));
+      rb = __bfloat162float(__float2bfloat16(rb));
+    }
+    dst[i] = ra;
+    dst[i + half] = rb;
+  }
+}
+
+// Attention in one kernel: rope (+ q/k norm), the K/V write of the window's rows, split-KV
+// attention and the merge. Block (head h, split s) takes keys [32 s, 32 s + 32) for all M rows
+// of head h (causal: row m sees keys 0..state[0] + m). Keys before state[0] come from the
+// cache; the window's own keys and values are computed from `qkv` by every block that needs
+// them (rounded to bf16 as the cache holds them) and written to the cache by the first head of
+// each kv group, so no block waits on another before the merge. With `merge` and one split
+// in use the block writes the output; with `merge` and more, each writes its unnormalised
+// output and (max, sum) and the last of the head's blocks to arrive (a counter per head, reset
+// by it) merges them in split order; without `merge` every block writes its partial and
+// attn_merge merges (one block per row and head: the faster for windows of many rows). Splits past the current length exit at once, so a graph sized for max_ctx
+// replays at any length. Grid: (heads, ceil(max_ctx / 32)); block: 128.
+__global__ void __launch_bounds__(ATTN_THREADS)
+    attn_fused(const float* __restrict__ qkv, const int* __restrict__ state,
+               const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+               const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm,
+               bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, float* __restrict__ part_o,
+               float* __restrict__ part_ml, unsigned* __restrict__ counters,
+               bf16* __restrict__ out, int M, int heads, int kv_heads, int hd, int max_ctx,
+               float scale, float eps, int merge) {
+  __shared__ float q_s[MAX_ROWS][HD_MAX];
+  __shared__ float k_s[ATTN_CHUNK][HD_MAX + 1];
+  __shared__ float v_s[ATTN_CHUNK][HD_MAX];
+  __shared__ float p_s[MAX_ROWS][ATTN_CHUNK];
+  __shared__ float l_s[MAX_ROWS];
+  __shared__ int is_last;
+  grid_wait();
+  grid_launch();
+  int h = blockIdx.x, s = blockIdx.y, splits = gridDim.y;
+  int group = heads / kv_heads, kvh = h / group;
+  int pos0 = state[0], total = pos0 + M;
+  int kbeg = s * ATTN_CHUNK;
+  if (kbeg >= total) return;
+  int nk = min(ATTN_CHUNK, total - kbeg);
+  int used = (total + ATTN_CHUNK - 1) / ATTN_CHUNK;
+  int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  constexpr int WARPS = ATTN_THREADS / 32;
+  int width = (heads + 2 * kv_heads) * hd;
+  for (int m = warp; m < M; m += WARPS)
+    rope_row(qkv + (size_t)m * width + (size_t)h * hd, q_norm, cos_t, sin_t, pos0 + m, hd, eps,
+             scale, false, q_s[m]);
+  // Cached keys of this split, then the window's (one warp a key).
+  int cached = max(0, min(nk, pos0 - kbeg));
+  const bf16* kc = k_cache + ((size_t)kvh * max_ctx + kbeg) * hd;
+  const bf16* vc = v_cache + ((size_t)kvh * max_ctx + kbeg) * hd;
+  for (int e = tid; e < cached * hd; e += ATTN_THREADS) {
+    int j = e / hd, dd = e % hd;
+    k_s[j][dd] = __bfloat162float(kc[e]);
+    v_s[j][dd] = __bfloat162float(vc[e]);
+  }
+  bool writer = h % group == 0;
+  for (int j = cached + warp; j < nk; j += WARPS) {
+    int p = kbeg + j, m = p - pos0;
+    const float* row = qkv + (size_t)m * width;
+    rope_row(row + (size_t)(heads + kvh) * hd, k_norm, cos_t, sin_t, p, hd, eps, 1.f, true,
+             k_s[j]);
+    const float* vsrc = row + (size_t)(heads + kv_heads + kvh) * hd;
+    for (int dd = lane; dd < hd; dd += 32) v_s[j][dd] = __bfloat162float(__float2bfloat16(vsrc[dd]));
+    if (writer) {
+      __syncwarp();
+      bf16* kd = k_cache + ((size_t)kvh * max_ctx + p) * hd;
+      bf16* vd = v_cache + ((size_t)kvh * max_ctx + p) * hd;
+      for (int dd = lane; dd < hd; dd += 32) {
+        kd[dd] = __float2bfloat16(k_s[j][dd]);
+        vd[dd] = __float2bfloat16(v_s[j][dd]);
+      }
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < M * ATTN_CHUNK; e += ATTN_THREADS) {
+    int m = e / ATTN_CHUNK, j = e % ATTN_CHUNK;
+    float sc = -INFINITY;
+    if (j < nk && kbeg + j <= pos0 + m) {
+      sc = 0.f;
+      for (int dd = 0; dd < hd; dd++) sc += q_s[m][dd] * k_s[j][dd];
+    }
+    p_s[m][j] = sc;
+  }
+  __syncthreads();
+  for (int m = warp; m < M; m += WARPS) {
+    float v = p_s[m][lane];
+    float mx = warp_max(v);
+    float e = mx == -INFINITY ? 0.f : __expf(v - mx);
+    p_s[m][lane] = e;
+    float sum = warp_sum(e);
+    if (lane == 0) {
+      l_s[m] = sum;
+      if (used > 1 || !merge) {
+        size_t at = ((size_t)m * heads + h) * splits + s;
+        part_ml[2 * at] = mx;
+        part_ml[2 * at + 1] = sum;
+      }
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < M * hd; e += ATTN_THREADS) {
+    int m = e / hd, dd = e % hd;
+    float o = 0.f;
+    for (int j = 0; j < nk; j++) o += p_s[m][j] * v_s[j][dd];
+    if (used == 1 && merge)
+      out[((size_t)m * heads + h) * hd + dd] = __float2bfloat16(o / l_s[m]);
+    else
+      part_o[(((size_t)m * heads + h) * splits + s) * hd + dd] = o;
+  }
+  if (used == 1 || !merge) return;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) is_last = atomicAdd(&counters[h], 1u) == (unsigned)(used - 1);
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  // The merge (merge_weights, merge_value), each row's weights in the reused key tile.
+  float* w_s = &k_s[0][0];  // MAX_ROWS * used <= 32 * 129 floats: the host caps max_ctx
+  for (int m = warp; m < M; m += WARPS) {
+    float l = merge_weights(part_ml + 2 * ((size_t)m * heads + h) * splits, used, w_s + m * used);
+    if (lane == 0) l_s[m] = l;
+  }
+  __syncthreads();
+  for (int e = tid; e < M * hd; e += ATTN_THREADS) {
+    int m = e / hd, dd = e % hd;
+    float o = merge_value(part_o + ((size_t)m * heads + h) * splits * hd + dd, used, hd,
+                          w_s + m * used);
+    out[((size_t)m * heads + h) * hd + dd] = __float2bfloat16(o / l_s[m]);
+  }
+  if (tid == 0) counters[h] = 0;
 }
 
 // ids[m] = argmax of logits[m, :] (the lowest index among equal maxima). Grid: M; block: 1024.

@@ -9,6 +9,7 @@ use cudarc::driver::{
 };
 
 use crate::error::{Context, Error, Result};
+use crate::plan::{GemmPlan, Occupancy};
 
 /// The PTX that build.rs compiled (empty when it found no nvcc).
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/step.ptx"));
@@ -86,9 +87,12 @@ pub struct Kernels {
     pub rmsnorm: CudaFunction,
     pub skinny_gemm: CudaFunction,
     pub skinny_gemm_b4: CudaFunction,
+    pub skinny_gemm_norm: CudaFunction,
+    pub skinny_gemm_b4_norm: CudaFunction,
     pub rope_kv: CudaFunction,
     pub attn_partial: CudaFunction,
-    pub attn_combine: CudaFunction,
+    pub attn_merge: CudaFunction,
+    pub attn_fused: CudaFunction,
     pub argmax_rows: CudaFunction,
 }
 
@@ -98,8 +102,7 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     pub kernels: Kernels,
     /// Multiprocessors, and how many blocks of each projection kernel fit one.
-    sms: usize,
-    gemm_fit: (usize, usize),
+    occupancy: Occupancy,
 }
 
 impl Gpu {
@@ -132,9 +135,12 @@ impl Gpu {
             rmsnorm: f("rmsnorm")?,
             skinny_gemm: f("skinny_gemm")?,
             skinny_gemm_b4: f("skinny_gemm_b4")?,
+            skinny_gemm_norm: f("skinny_gemm_norm")?,
+            skinny_gemm_b4_norm: f("skinny_gemm_b4_norm")?,
             rope_kv: f("rope_kv")?,
             attn_partial: f("attn_partial")?,
-            attn_combine: f("attn_combine")?,
+            attn_merge: f("attn_merge")?,
+            attn_fused: f("attn_fused")?,
             argmax_rows: f("argmax_rows")?,
         };
         let sms = ctx
@@ -150,32 +156,33 @@ impl Gpu {
             .ctx(|| "reading kernel occupancy".into())?;
             Ok(n.max(1) as usize)
         };
-        let gemm_fit = (fit(&kernels.skinny_gemm)?, fit(&kernels.skinny_gemm_b4)?);
+        let occupancy = Occupancy {
+            sms,
+            fit: fit(&kernels.skinny_gemm)?,
+            fit_b4: fit(&kernels.skinny_gemm_b4)?,
+        };
         Ok(Self {
             ctx,
             stream,
             kernels,
-            sms,
-            gemm_fit,
+            occupancy,
         })
     }
 
-    /// The projection kernel for `n` outputs: the 64-register one where its fourth block an
-    /// SM fits every output tile into one wave that would otherwise take two or more (its spill
-    /// costs more than a partial last wave once there are many waves: `cuda-bench`'s table).
-    pub fn gemm_kernel(&self, n: usize) -> &CudaFunction {
-        let tiles = n / 8;
-        let waves = |fit: usize| tiles.div_ceil(fit * self.sms);
-        if waves(self.gemm_fit.1) == 1 && waves(self.gemm_fit.0) > 1 {
-            &self.kernels.skinny_gemm_b4
-        } else {
-            &self.kernels.skinny_gemm
+    /// The projection kernel of `plan`, with the RMS norm folded in or not.
+    pub fn gemm(&self, plan: GemmPlan, norm: bool) -> &CudaFunction {
+        let k = &self.kernels;
+        match (plan.b4, norm) {
+            (false, false) => &k.skinny_gemm,
+            (true, false) => &k.skinny_gemm_b4,
+            (false, true) => &k.skinny_gemm_norm,
+            (true, true) => &k.skinny_gemm_b4_norm,
         }
     }
 
-    /// Multiprocessors and the blocks of the two projection kernels that fit one, for reports.
-    pub fn occupancy(&self) -> (usize, usize, usize) {
-        (self.sms, self.gemm_fit.0, self.gemm_fit.1)
+    /// Multiprocessors and the blocks of the projection kernels that fit one.
+    pub fn occupancy(&self) -> Occupancy {
+        self.occupancy
     }
 
     /// The device's name, for reports.

@@ -4,6 +4,7 @@
 //! - [`shape`]: the model shape the kernels run, and the bytes one step reads.
 //! - [`device`]: context, stream, buffers and the kernels of `kernels/step.cu` (PTX from nvcc
 //!   at build time, see build.rs), loaded once with cached handles.
+//! - [`plan`]: which kernel each projection takes and which kernels the step fuses.
 //! - [`step`]: weights, KV cache, the kernel sequence and one CUDA graph per window size.
 //! - [`checkpoint`]: real weights, a GGUF file dequantized to bf16 in the kernels' layout.
 //! - [`reference`]: the same forward on the CPU in f32, rounding where the GPU rounds, which
@@ -16,11 +17,13 @@
 pub mod checkpoint;
 pub mod device;
 pub mod error;
+pub mod plan;
 pub mod reference;
 pub mod shape;
 pub mod step;
 
 pub use device::Gpu;
 pub use error::{Error, Result};
+pub use plan::{GemmPlan, Proj, StepOptions};
 pub use shape::Shape;
 pub use step::Step;

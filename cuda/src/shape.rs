@@ -16,6 +16,9 @@ pub const MAX_ROWS: usize = 16;
 pub const ATTN_CHUNK: usize = 32;
 /// Widest head the attention kernel holds in shared memory (`HD_MAX`).
 pub const HEAD_DIM_MAX: usize = 128;
+/// Longest KV cache: the attention merge keeps 16 rows' weights of every split in the shared
+/// memory of one 32-key split (32 × 129 floats), so at most 258 splits.
+pub const MAX_CTX: usize = 258 * ATTN_CHUNK;
 
 /// Names accepted by [`Shape::preset`].
 pub const PRESETS: &str = "qwen2.5-1.5b, qwen3-8b";

@@ -1,10 +1,13 @@
 //! The decode/verify step on the GPU: weights, KV cache and scratch allocated once, the kernel
 //! sequence of one forward over 1–16 rows, and one CUDA graph per window size.
 //!
-//! Per layer the step launches 9 kernels: rmsnorm, qkv (one GEMM over the fused weight, bias
-//! in its epilogue), rope + q/k norm + K/V write, attention (split-KV pass and merge), o_proj
-//! (residual add in its epilogue), rmsnorm, gate|up (SiLU·mul in its epilogue), down (residual
-//! add). Positions and tokens live in device memory (`state`), copied from pinned host memory
+//! Per layer the step launches 7 kernels at one or two rows and 8 for wider windows: rmsnorm,
+//! qkv (one GEMM over the fused weight, bias in its epilogue), attention (rope + q/k norm +
+//! K/V write and split-KV in one kernel, the merge in it too up to two rows, else a merge
+//! kernel), o_proj (residual add in its epilogue), rmsnorm, gate|up (SiLU·mul in its
+//! epilogue), down (residual add). [`StepOptions`] can fold the norms into the projections'
+//! prologue and bring back last session's 9 kernels a layer (a rope_kv kernel first) for A/B
+//! runs. Positions and tokens live in device memory (`state`), copied from pinned host memory
 //! by the graph's first node, so a graph captured once replays at every position; the argmax
 //! ids come back by its last node. Nothing inside a step allocates, syncs or uploads parameters.
 //! Kernels can be launched with programmatic dependent launch ([`Step::set_pdl`]; see
@@ -14,7 +17,8 @@ use cudarc::driver::{sys, CudaGraph};
 
 use crate::device::{DeviceBuffer, Gpu, Pinned};
 use crate::error::{Context, Error, Result};
-use crate::shape::{Shape, ATTN_CHUNK, MAX_ROWS};
+use crate::plan::{Proj, StepOptions};
+use crate::shape::{Shape, ATTN_CHUNK, MAX_CTX, MAX_ROWS};
 
 /// One transformer block's weights (bf16, `[out, in]`). `gate_up` interleaves its rows:
 /// row `2j` is gate row `j`, row `2j + 1` is up row `j`.
@@ -51,6 +55,8 @@ struct Scratch {
     part_ml: DeviceBuffer,
     logits: DeviceBuffer,
     ids: DeviceBuffer,
+    /// Arrival counters of attention's in-kernel merge, one a head, from 0.
+    counters: DeviceBuffer,
 }
 
 /// The step of one sequence: a model on the GPU with its KV cache of `max_ctx` positions.
@@ -68,6 +74,7 @@ pub struct Step {
     host_ids: Pinned<i32>,
     graphs: Vec<Option<CudaGraph>>,
     pdl: bool,
+    options: StepOptions,
     taps: Taps,
 }
 
@@ -150,11 +157,20 @@ impl Step {
         if max_ctx == 0 {
             return Err(Error::Invalid("a KV cache of 0 positions".into()));
         }
+        if max_ctx > MAX_CTX {
+            return Err(Error::Unsupported(format!(
+                "a KV cache of {max_ctx} positions (the attention merge holds {MAX_CTX})"
+            )));
+        }
         shape.check()?;
         let (h, hd, r) = (shape.hidden, shape.head_dim, MAX_ROWS);
         let attn_w = shape.heads * hd;
         let splits = max_ctx.div_ceil(ATTN_CHUNK);
         let cache = 2 * shape.layers * shape.kv_heads * max_ctx * hd;
+        let counters = gpu.alloc(4 * shape.heads)?;
+        // SAFETY: the buffer holds that many bytes; the counters start at 0.
+        unsafe { cudarc::driver::result::memset_d8_sync(counters.ptr(), 0, counters.bytes()) }
+            .ctx(|| "zeroing the counters".into())?;
         let s = Scratch {
             state: gpu.alloc(4 * (1 + r))?,
             x: gpu.alloc(4 * r * h)?,
@@ -167,6 +183,7 @@ impl Step {
             part_ml: gpu.alloc(4 * r * shape.heads * splits * 2)?,
             logits: gpu.alloc(4 * r * shape.vocab)?,
             ids: gpu.alloc(4 * r)?,
+            counters,
         };
         let (cos, sin) = rope_tables(&shape, max_ctx);
         let rope_cos = gpu.alloc(4 * cos.len())?;
@@ -178,6 +195,7 @@ impl Step {
         let host_state = gpu.pinned::<i32>(1 + r)?;
         let host_ids = gpu.pinned::<i32>(r)?;
         gpu.sync()?;
+        let options = StepOptions::auto(&shape, gpu.occupancy());
         Ok(Self {
             gpu,
             shape,
@@ -192,8 +210,20 @@ impl Step {
             host_ids,
             graphs: (0..=r).map(|_| None).collect(),
             pdl: false,
+            options,
             taps: Taps::default(),
         })
+    }
+
+    /// How the kernels run ([`StepOptions::auto`] unless set).
+    pub fn options(&self) -> &StepOptions {
+        &self.options
+    }
+
+    /// Runs later forwards with `options`. Drops the captured graphs.
+    pub fn set_options(&mut self, options: StepOptions) {
+        self.options = options;
+        self.graphs.iter_mut().for_each(|g| *g = None);
     }
 
     /// Turns programmatic dependent launch on or off: each kernel is then scheduled while the
@@ -390,10 +420,26 @@ impl Step {
         let embed = self.weights.embed.ptr();
         launch!(&k.embed, (rows, 1), 256, "embed"; &embed, &st, &x, &h)?;
         let norm = |w: u64, out: u64| launch!(&k.rmsnorm, (rows, 1), 256, "rmsnorm"; &x, &w, &out, &h, &eps);
-        let gemm = |xin: u64, w: u64, bias: u64, out: u64, n: usize, kk: usize, mode: i32| {
+        let opts = &self.options;
+        let counters = s.counters.ptr();
+        let merge = i32::from(opts.merges_in_kernel(m));
+        // One projection: `nw` (the norm's weights, 0 for none) folds the RMS norm of the f32
+        // rows `xin` into it; otherwise `xin` holds bf16 rows.
+        let gemm = |p: Proj, xin: u64, nw: u64, w: u64, bias: u64, out: u64, mode: i32| {
+            let plan = opts.plan(p);
+            let (n, kk) = p.dims(sh);
             let (ni, ki) = (n as i32, kk as i32);
-            let grid = ((n / 8) as u32, 1);
-            launch!(gpu.gemm_kernel(n), grid, 256, "skinny_gemm"; &xin, &w, &bias, &out, &mi, &ni, &ki, &mode)
+            launch!(gpu.gemm(plan, nw != 0), ((n / 8) as u32, 1), 256, "projection";
+                &xin, &nw, &w, &bias, &out, &mi, &ni, &ki, &mode, &eps)
+        };
+        // The norm before a projection: folded into it, or its own kernel into xn.
+        let normed = |nw: u64| -> Result<(u64, u64)> {
+            if opts.fold_norm {
+                Ok((x, nw))
+            } else {
+                norm(nw, xn)?;
+                Ok((xn, 0))
+            }
         };
         let opt = |b: &Option<DeviceBuffer>| b.as_ref().map_or(0, DeviceBuffer::ptr);
         let (cos, sin) = (self.rope_cos.ptr(), self.rope_sin.ptr());
@@ -404,35 +450,27 @@ impl Step {
         for (l, lw) in self.weights.layers.iter().enumerate() {
             let kc = self.k_cache.ptr() + l as u64 * layer_cache;
             let vc = self.v_cache.ptr() + l as u64 * layer_cache;
-            norm(lw.attn_norm.ptr(), xn)?;
-            gemm(
-                xn,
-                lw.qkv.ptr(),
-                opt(&lw.qkv_bias),
-                qkv,
-                sh.qkv_width(),
-                sh.hidden,
-                0,
-            )?;
+            let (xin, nw) = normed(lw.attn_norm.ptr())?;
+            gemm(Proj::Qkv, xin, nw, lw.qkv.ptr(), opt(&lw.qkv_bias), qkv, 0)?;
             let (qn, kn) = (opt(&lw.q_norm), opt(&lw.k_norm));
-            launch!(&k.rope_kv, rope_grid, half, "rope_kv";
-                &qkv, &st, &cos, &sin, &qn, &kn, &q, &kc, &vc, &heads, &kvh, &hd, &max_ctx, &eps)?;
-            launch!(&k.attn_partial, (sh.heads as u32, splits), 128, "attn_partial";
-                &q, &kc, &vc, &st, &po, &pml, &mi, &heads, &kvh, &hd, &max_ctx, &scale)?;
-            launch!(&k.attn_combine, (sh.heads as u32, rows), 128, "attn_combine";
-                &po, &pml, &st, &attn, &heads, &hd, &splits_i)?;
-            gemm(attn, lw.o.ptr(), 0, x, sh.hidden, sh.heads * sh.head_dim, 1)?;
-            norm(lw.mlp_norm.ptr(), xn)?;
-            gemm(
-                xn,
-                lw.gate_up.ptr(),
-                0,
-                act,
-                2 * sh.intermediate,
-                sh.hidden,
-                2,
-            )?;
-            gemm(act, lw.down.ptr(), 0, x, sh.hidden, sh.intermediate, 1)?;
+            if opts.fused_attn {
+                launch!(&k.attn_fused, (sh.heads as u32, splits), 128, "attn_fused";
+                    &qkv, &st, &cos, &sin, &qn, &kn, &kc, &vc, &po, &pml, &counters, &attn,
+                    &mi, &heads, &kvh, &hd, &max_ctx, &scale, &eps, &merge)?;
+            } else {
+                launch!(&k.rope_kv, rope_grid, half, "rope_kv";
+                    &qkv, &st, &cos, &sin, &qn, &kn, &q, &kc, &vc, &heads, &kvh, &hd, &max_ctx, &eps)?;
+                launch!(&k.attn_partial, (sh.heads as u32, splits), 128, "attn_partial";
+                    &q, &kc, &vc, &st, &po, &pml, &mi, &heads, &kvh, &hd, &max_ctx, &scale)?;
+            }
+            if merge == 0 {
+                launch!(&k.attn_merge, (sh.heads as u32, rows), 128, "attn_merge";
+                    &po, &pml, &st, &attn, &heads, &hd, &splits_i)?;
+            }
+            gemm(Proj::O, attn, 0, lw.o.ptr(), 0, x, 1)?;
+            let (xin, nw) = normed(lw.mlp_norm.ptr())?;
+            gemm(Proj::GateUp, xin, nw, lw.gate_up.ptr(), 0, act, 2)?;
+            gemm(Proj::Down, act, 0, lw.down.ptr(), 0, x, 1)?;
             if let (Some(i), Some(buf)) = (
                 self.taps.layers.iter().position(|&t| t == l),
                 &self.taps.layer_buf,
@@ -456,7 +494,7 @@ impl Step {
             .unwrap_or(&self.weights.embed)
             .ptr();
         let logits = s.logits.ptr();
-        gemm(xn, lm, 0, logits, sh.vocab, sh.hidden, 0)?;
+        gemm(Proj::LmHead, xn, 0, lm, 0, logits, 0)?;
         let (ids, vocab) = (s.ids.ptr(), sh.vocab as i32);
         launch!(&k.argmax_rows, (rows, 1), 1024, "argmax_rows"; &logits, &ids, &vocab)?;
         // SAFETY: host_ids is pinned, holds MAX_ROWS ids and outlives the graph.

@@ -1,14 +1,20 @@
 //! The device check of the CUDA step (run on the GPU machine; `scripts/gpu-bench` runs it
 //! first): every kernel against the CPU reference on fresh random inputs.
 //!
-//! 1. The projection kernel alone, in its three epilogues, at the real models' widths (K up to
-//!    12288) and 1–16 rows, outputs poisoned with NaN first so that an unwritten one fails.
+//! 1. The projection kernels alone (plain and 64-register), in their three epilogues, with and
+//!    without the RMS norm folded in, at the real models' widths (K up to 12288) and 1–16
+//!    rows, outputs poisoned with NaN first so that an unwritten one fails.
 //! 2. Whole forwards of three tiny models (llama-like; qwen2-like with q/k/v bias and tied
 //!    embeddings, head_dim 128; qwen3-like with q/k norm): a prompt in windows of 16, 16 and 5
 //!    (attention over several splits), greedy decode steps, a verify window of 8, and a
 //!    rewritten window (rollback), each against the reference's logits; graph replay and
 //!    eager launches must agree bit for bit, a window of 8 must equal 8 single steps bit for
-//!    bit (batch invariance), and launches with programmatic dependent launch likewise.
+//!    bit (batch invariance; once across the first attention split's end), and launches with
+//!    programmatic dependent launch likewise. Each model runs under four kernel sequences:
+//!    the default (a window of 8 merges attention in its own kernel, single steps inside the
+//!    attention kernel: the check holds them to the same bits), last session's unfused one,
+//!    norms folded into the projections with the 64-register kernel everywhere, and every
+//!    window merging inside the attention kernel.
 //!
 //! Prints one line per check and exits 1 if any fails.
 
@@ -16,7 +22,7 @@ use anyhow::{bail, Context, Result};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use specula_cuda::reference::{matmul, rel_err, HostWeights, Reference};
-use specula_cuda::{Gpu, Shape, Step};
+use specula_cuda::{GemmPlan, Gpu, Shape, Step, StepOptions};
 
 /// Largest ‖gpu − ref‖ / ‖ref‖ accepted: bf16 operands with f32 sums land near 1e-3.
 const TOL: f64 = 1e-2;
@@ -26,6 +32,7 @@ fn main() -> Result<()> {
     println!("cuda-check on {}", gpu.name());
     let mut failures = 0;
     let mut rng = rand::rngs::StdRng::seed_from_u64(std::process::id() as u64);
+    let plans = [GemmPlan::PLAIN, GemmPlan::B4];
     for (m, n, k, mode) in [
         (1, 1024, 4096, 0),
         (3, 512, 12288, 1),
@@ -35,11 +42,16 @@ fn main() -> Result<()> {
         (9, 96, 1536, 2),
     ] {
         let bias = mode == 0 && m == 1;
-        for b4 in [false, true] {
-            let err = check_gemm(&gpu, &mut rng, b4, (m, n, k), mode, bias)?;
-            let kernel = if b4 { "skinny_gemm_b4" } else { "skinny_gemm" };
-            let what = format!("{kernel} m={m} n={n} k={k} mode={mode} bias={bias}");
-            failures += report(&what, err);
+        for norm in [false, true] {
+            if norm && mode == 1 {
+                continue; // the step folds norms into qkv and gate|up only
+            }
+            for (plan, err) in check_gemm(&gpu, &mut rng, &plans, (m, n, k), mode, bias, norm)? {
+                let what = format!(
+                    "projection {plan} m={m} n={n} k={k} mode={mode} bias={bias} norm={norm}"
+                );
+                failures += report(&what, err);
+            }
         }
     }
     let tiny = |hidden, heads, kv, hd, bias: bool, qk: bool| Shape {
@@ -61,7 +73,20 @@ fn main() -> Result<()> {
         ("qwen2-like", tiny(256, 2, 1, 128, true, false)),
         ("qwen3-like", tiny(512, 8, 2, 64, false, true)),
     ] {
-        failures += check_forward(name, shape, rng.random())?;
+        let occ = gpu.occupancy();
+        let seed = rng.random();
+        let variant = |spec: &str| StepOptions::parse(spec, &shape, occ).expect("variant");
+        for (variant, options) in [
+            ("default", variant("auto")),
+            ("unfused", variant("unfused")),
+            (
+                "folded, b4",
+                variant("auto+fold+qkv=b4+o_proj=b4+gate_up=b4+down=b4+lm_head=b4"),
+            ),
+            ("merge in kernel", variant("auto+merge=16")),
+        ] {
+            failures += check_forward(&format!("{name} {variant}"), shape.clone(), options, seed)?;
+        }
     }
     if failures > 0 {
         bail!("{failures} checks failed");
@@ -89,93 +114,132 @@ fn to_f32(v: &[u16]) -> Vec<f32> {
     v.iter().map(|&b| bf16::from_bits(b).to_f32()).collect()
 }
 
+/// One projection shape against the CPU under each plan that tiles it: `(plan, rel err)`.
 fn check_gemm(
     gpu: &Gpu,
     rng: &mut impl Rng,
-    b4: bool,
+    plans: &[GemmPlan],
     (m, n, k): (usize, usize, usize),
     mode: i32,
     with_bias: bool,
-) -> Result<f64> {
-    // X has 16 rows as in the step; rows >= m are poison the kernel must not read.
-    let mut x = rand_bf16(rng, 16 * k, 1.0);
-    for v in &mut x[m * k..] {
-        *v = bf16::NAN.to_bits();
-    }
+    norm: bool,
+) -> Result<Vec<(GemmPlan, f64)>> {
+    let eps = 1e-6f32;
     let w = rand_bf16(rng, n * k, 0.05);
     let b = rand_bf16(rng, n, 0.5);
+    // X has 16 rows as in the step; rows >= m are poison the kernel must not read. With the
+    // norm folded in, X is the f32 residual stream and nw the norm's weights.
+    let (dx, acc) = if norm {
+        let mut x: Vec<f32> = (0..16 * k).map(|_| rng.random_range(-2.0..2.0)).collect();
+        x[m * k..].fill(f32::NAN);
+        let nw = rand_bf16(rng, k, 1.0);
+        let mut a = vec![0f32; m * k];
+        let mut scale = vec![0f32; m];
+        for r in 0..m {
+            let row = &x[r * k..(r + 1) * k];
+            let ss: f32 = row.iter().map(|v| v * v).sum();
+            scale[r] = 1.0 / (ss / k as f32 + eps).sqrt();
+            for i in 0..k {
+                a[r * k + i] = bf16::from_f32(row[i] * bf16::from_bits(nw[i]).to_f32()).to_f32();
+            }
+        }
+        let mut acc = matmul(&a, m, &w, n, k);
+        for (i, v) in acc.iter_mut().enumerate() {
+            *v *= scale[i / n];
+        }
+        let dx = gpu.alloc(4 * x.len() + 2 * k)?;
+        gpu.upload(&dx, 0, &x)?;
+        gpu.upload(&dx, 4 * x.len(), &nw)?;
+        (dx, acc)
+    } else {
+        let mut x = rand_bf16(rng, 16 * k, 1.0);
+        for v in &mut x[m * k..] {
+            *v = bf16::NAN.to_bits();
+        }
+        let acc = matmul(&to_f32(&x[..m * k]), m, &w, n, k);
+        let dx = gpu.alloc(2 * x.len())?;
+        gpu.upload(&dx, 0, &x)?;
+        (dx, acc)
+    };
     let out_len = if mode == 2 { m * n / 2 } else { m * n };
     let init: Vec<f32> = if mode == 1 {
         (0..out_len).map(|_| rng.random_range(-1.0..1.0)).collect()
     } else {
         vec![f32::NAN; out_len]
     };
-    let (dx, dw, db) = (
-        gpu.alloc(2 * x.len())?,
-        gpu.alloc(2 * w.len())?,
-        gpu.alloc(2 * n)?,
-    );
-    gpu.upload(&dx, 0, &x)?;
-    gpu.upload(&dw, 0, &w)?;
-    gpu.upload(&db, 0, &b)?;
-    let dout = gpu.alloc(4 * out_len.max(1))?;
-    if mode == 2 {
-        // bf16 output: poison with bf16 NaN.
-        gpu.upload(&dout, 0, &vec![bf16::NAN.to_bits(); out_len])?;
-    } else {
-        gpu.upload(&dout, 0, &init)?;
-    }
-    let (px, pw, pout) = (dx.ptr(), dw.ptr(), dout.ptr());
-    let pb = if with_bias { db.ptr() } else { 0 };
-    let (mi, ni, ki) = (m as i32, n as i32, k as i32);
-    let (f, threads) = if b4 {
-        (&gpu.kernels.skinny_gemm_b4, 256)
-    } else {
-        (&gpu.kernels.skinny_gemm, 256)
-    };
-    let mut args: Vec<*mut std::ffi::c_void> = vec![
-        std::ptr::from_ref(&px).cast_mut().cast(),
-        std::ptr::from_ref(&pw).cast_mut().cast(),
-        std::ptr::from_ref(&pb).cast_mut().cast(),
-        std::ptr::from_ref(&pout).cast_mut().cast(),
-        std::ptr::from_ref(&mi).cast_mut().cast(),
-        std::ptr::from_ref(&ni).cast_mut().cast(),
-        std::ptr::from_ref(&ki).cast_mut().cast(),
-        std::ptr::from_ref(&mode).cast_mut().cast(),
-    ];
-    // SAFETY: buffers sized above for the kernel's arguments.
-    unsafe { gpu.launch(f, ((n / 8) as u32, 1), threads, false, &mut args) }?;
-    let acc = matmul(&to_f32(&x[..m * k]), m, &w, n, k);
-    let (got, want) = if mode == 2 {
-        let mut o = vec![0u16; out_len];
-        gpu.download(&mut o, &dout, 0)?;
-        gpu.sync()?;
-        let want: Vec<f32> = acc
-            .chunks(2)
+    let want: Vec<f32> = if mode == 2 {
+        acc.chunks(2)
             .map(|p| p[0] / (1.0 + (-p[0]).exp()) * p[1])
-            .collect();
-        (to_f32(&o), want)
+            .collect()
     } else {
-        let mut o = vec![0f32; out_len];
-        gpu.download(&mut o, &dout, 0)?;
-        gpu.sync()?;
-        let want: Vec<f32> = acc
-            .iter()
+        acc.iter()
             .enumerate()
             .map(|(i, &a)| match mode {
                 1 => init[i] + a,
-                _ => {
-                    a + if with_bias {
-                        bf16::from_bits(b[i % n]).to_f32()
-                    } else {
-                        0.0
-                    }
-                }
+                _ if with_bias => a + bf16::from_bits(b[i % n]).to_f32(),
+                _ => a,
             })
-            .collect();
-        (o, want)
+            .collect()
     };
-    Ok(rel_err(&got, &want))
+    let (dw, db) = (gpu.alloc(2 * w.len())?, gpu.alloc(2 * n)?);
+    gpu.upload(&dw, 0, &w)?;
+    gpu.upload(&db, 0, &b)?;
+    let dout = gpu.alloc(4 * out_len.max(1))?;
+    let px = dx.ptr();
+    let pnw = if norm {
+        dx.ptr() + 4 * 16 * k as u64
+    } else {
+        0
+    };
+    let (pw, pout) = (dw.ptr(), dout.ptr());
+    let pb = if with_bias { db.ptr() } else { 0 };
+    let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+    let mut results = Vec::new();
+    for &plan in plans {
+        if mode == 2 {
+            // bf16 output: poison with bf16 NaN.
+            gpu.upload(&dout, 0, &vec![bf16::NAN.to_bits(); out_len])?;
+        } else {
+            gpu.upload(&dout, 0, &init)?;
+        }
+        {
+            let mut args: Vec<*mut std::ffi::c_void> = vec![
+                std::ptr::from_ref(&px).cast_mut().cast(),
+                std::ptr::from_ref(&pnw).cast_mut().cast(),
+                std::ptr::from_ref(&pw).cast_mut().cast(),
+                std::ptr::from_ref(&pb).cast_mut().cast(),
+                std::ptr::from_ref(&pout).cast_mut().cast(),
+                std::ptr::from_ref(&mi).cast_mut().cast(),
+                std::ptr::from_ref(&ni).cast_mut().cast(),
+                std::ptr::from_ref(&ki).cast_mut().cast(),
+                std::ptr::from_ref(&mode).cast_mut().cast(),
+                std::ptr::from_ref(&eps).cast_mut().cast(),
+            ];
+            // SAFETY: buffers sized above for the kernel's arguments.
+            unsafe {
+                gpu.launch(
+                    gpu.gemm(plan, norm),
+                    ((n / 8) as u32, 1),
+                    256,
+                    false,
+                    &mut args,
+                )
+            }?;
+        }
+        let got = if mode == 2 {
+            let mut o = vec![0u16; out_len];
+            gpu.download(&mut o, &dout, 0)?;
+            gpu.sync()?;
+            to_f32(&o)
+        } else {
+            let mut o = vec![0f32; out_len];
+            gpu.download(&mut o, &dout, 0)?;
+            gpu.sync()?;
+            o
+        };
+        results.push((plan, rel_err(&got, &want)));
+    }
+    Ok(results)
 }
 
 /// Greedy argmax with the lowest index among ties, as the kernel.
@@ -189,12 +253,14 @@ fn argmax(row: &[f32]) -> usize {
     best
 }
 
-fn check_forward(name: &str, shape: Shape, seed: u64) -> Result<usize> {
+fn check_forward(name: &str, shape: Shape, options: StepOptions, seed: u64) -> Result<usize> {
     let max_ctx = 100;
     let weights = HostWeights::random(&shape, seed);
     let gpu = Gpu::new(0)?;
     let dev_weights = weights.upload(&gpu)?;
     let mut step = Step::new(gpu, shape.clone(), max_ctx, dev_weights)?;
+    println!("{name}: {}", options.describe());
+    step.set_options(options);
     let mut reference = Reference::new(shape.clone(), weights, max_ctx);
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let vocab = shape.vocab;
@@ -272,25 +338,31 @@ fn check_forward(name: &str, shape: Shape, seed: u64) -> Result<usize> {
     // Batch invariance: a verify window's rows equal the same tokens run one by one, bit for
     // bit (every row's sums run in one fixed order whatever the window), so speculation cannot
     // change greedy output through rounding.
+    // At 28 the window's rows straddle the first 32-key split's end: its first rows attend
+    // within one split, the rest across two (merged), as single steps there do.
+    for at in [28, pos + 3] {
+        step.forward(&window, at, true)?;
+        let win = step.logits(8)?;
+        let mut same_rows = 0;
+        for (i, &t) in window.iter().enumerate() {
+            step.forward(&[t], at + i, true)?;
+            let row = step.logits(1)?;
+            same_rows += usize::from(
+                row.iter()
+                    .zip(&win[i * vocab..])
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+            );
+        }
+        let ok = same_rows == window.len();
+        println!(
+            "{} {name}: window of 8 at {at} = 8 single steps, bit for bit ({same_rows}/8 rows)",
+            if ok { "PASS" } else { "FAIL" }
+        );
+        failures += usize::from(!ok);
+    }
     let at = pos + 3;
     step.forward(&window, at, true)?;
     let win = step.logits(8)?;
-    let mut same_rows = 0;
-    for (i, &t) in window.iter().enumerate() {
-        step.forward(&[t], at + i, true)?;
-        let row = step.logits(1)?;
-        same_rows += usize::from(
-            row.iter()
-                .zip(&win[i * vocab..])
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-        );
-    }
-    let ok = same_rows == window.len();
-    println!(
-        "{} {name}: window of 8 = 8 single steps, bit for bit ({same_rows}/8 rows)",
-        if ok { "PASS" } else { "FAIL" }
-    );
-    failures += usize::from(!ok);
     // Programmatic dependent launch changes scheduling only.
     step.set_pdl(true);
     step.forward(&window, at, true)?;

@@ -1,0 +1,251 @@
+//! How the step runs its kernels: which projection kernel each projection takes, whether the
+//! RMS norms are folded into the projections, and how attention is split into kernels. Plain
+//! data, chosen from the shape and the GPU alone (never from the window's rows, except where
+//! both choices give the same bits: every row's sums must run in one order whatever the
+//! window, which keeps a window of 8 equal to 8 single steps bit for bit).
+
+use crate::error::{Error, Result};
+use crate::shape::Shape;
+
+/// The step's projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Proj {
+    Qkv,
+    O,
+    GateUp,
+    Down,
+    LmHead,
+}
+
+impl Proj {
+    pub const ALL: [Proj; 5] = [Proj::Qkv, Proj::O, Proj::GateUp, Proj::Down, Proj::LmHead];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Proj::Qkv => "qkv",
+            Proj::O => "o_proj",
+            Proj::GateUp => "gate_up",
+            Proj::Down => "down",
+            Proj::LmHead => "lm_head",
+        }
+    }
+
+    /// `(outputs, inputs)` of this projection in `shape`.
+    pub fn dims(self, shape: &Shape) -> (usize, usize) {
+        match self {
+            Proj::Qkv => (shape.qkv_width(), shape.hidden),
+            Proj::O => (shape.hidden, shape.heads * shape.head_dim),
+            Proj::GateUp => (2 * shape.intermediate, shape.hidden),
+            Proj::Down => (shape.hidden, shape.intermediate),
+            Proj::LmHead => (shape.vocab, shape.hidden),
+        }
+    }
+
+    fn parse(name: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name() == name)
+            .ok_or_else(|| Error::Invalid(format!("unknown projection '{name}'")))
+    }
+}
+
+/// The kernel of one projection: the plain one, or `b4`, capped at 64 registers so that four
+/// blocks fit a multiprocessor (one wave where the plain kernel needs two).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmPlan {
+    pub b4: bool,
+}
+
+impl GemmPlan {
+    pub const PLAIN: GemmPlan = GemmPlan { b4: false };
+    pub const B4: GemmPlan = GemmPlan { b4: true };
+
+    /// `plain` or `b4`.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for another word.
+    pub fn parse(text: &str) -> Result<Self> {
+        match text {
+            "plain" => Ok(Self::PLAIN),
+            "b4" => Ok(Self::B4),
+            other => Err(Error::Invalid(format!("plan '{other}' (plain or b4)"))),
+        }
+    }
+}
+
+impl std::fmt::Display for GemmPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.b4 { "b4" } else { "plain" })
+    }
+}
+
+/// What the GPU offers the plan: multiprocessors and how many blocks of the plain and the
+/// 64-register projection kernels fit one.
+#[derive(Debug, Clone, Copy)]
+pub struct Occupancy {
+    pub sms: usize,
+    pub fit: usize,
+    pub fit_b4: usize,
+}
+
+/// The kernel for `n` outputs: the 64-register one where its fourth block an SM fits every
+/// output tile into one wave that would otherwise take two or more (its spill costs more than
+/// a partial last wave once there are many waves: `cuda-bench`'s table).
+pub fn auto_plan(n: usize, occ: Occupancy) -> GemmPlan {
+    let tiles = n / 8;
+    let waves = |fit: usize| tiles.div_ceil(fit * occ.sms);
+    GemmPlan {
+        b4: waves(occ.fit_b4) == 1 && waves(occ.fit) > 1,
+    }
+}
+
+/// Windows of at most this many rows merge attention's splits inside the attention kernel
+/// (one launch); wider ones in a kernel of their own (one block per row and head), which on
+/// the H200 is faster from 4 rows on (BENCHMARKS.md). Both give the same bits.
+pub const MERGE_IN_KERNEL_ROWS: usize = 2;
+
+/// Everything the step's kernel sequence can vary.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepOptions {
+    /// The RMS norms before attention and MLP folded into the qkv and gate|up projections
+    /// (else a norm kernel each).
+    pub fold_norm: bool,
+    /// Rope and the K/V write inside the attention kernel (else a rope_kv kernel first).
+    pub fused_attn: bool,
+    /// With `fused_attn`, windows of up to this many rows merge the splits in the same kernel.
+    pub merge_rows: usize,
+    /// Per projection, in [`Proj::ALL`]'s order.
+    pub plans: [GemmPlan; 5],
+}
+
+impl StepOptions {
+    /// The default: rope inside attention, the merge in it up to [`MERGE_IN_KERNEL_ROWS`],
+    /// separate norms (folding them measured slower on the H200, BENCHMARKS.md), [`auto_plan`].
+    pub fn auto(shape: &Shape, occ: Occupancy) -> Self {
+        Self {
+            fold_norm: false,
+            fused_attn: true,
+            merge_rows: MERGE_IN_KERNEL_ROWS,
+            plans: Proj::ALL.map(|p| auto_plan(p.dims(shape).0, occ)),
+        }
+    }
+
+    /// Last session's sequence: 9 kernels a layer (norms, rope_kv, two attention passes), for
+    /// A/B runs.
+    pub fn unfused(shape: &Shape, occ: Occupancy) -> Self {
+        Self {
+            fused_attn: false,
+            merge_rows: 0,
+            ..Self::auto(shape, occ)
+        }
+    }
+
+    pub fn plan(&self, p: Proj) -> GemmPlan {
+        self.plans[Proj::ALL.iter().position(|&q| q == p).expect("in ALL")]
+    }
+
+    /// Whether a window of `rows` merges attention inside the attention kernel.
+    pub fn merges_in_kernel(&self, rows: usize) -> bool {
+        self.fused_attn && rows <= self.merge_rows
+    }
+
+    /// A variant by name, for benchmarks: `auto` or `unfused`, then `+` separated changes:
+    /// `fold`, `nofold`, `fuse`, `nofuse`, `merge=ROWS` (the widest window merging in the
+    /// attention kernel), or `PROJ=PLAN` (`down=b4`, `lm_head=plain`).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for an unknown name or change.
+    pub fn parse(spec: &str, shape: &Shape, occ: Occupancy) -> Result<Self> {
+        let mut parts = spec.split('+');
+        let mut o = match parts.next().unwrap_or("") {
+            "auto" => Self::auto(shape, occ),
+            "unfused" => Self::unfused(shape, occ),
+            other => {
+                return Err(Error::Invalid(format!(
+                    "variant '{other}' (auto or unfused, then +changes)"
+                )))
+            }
+        };
+        for part in parts {
+            match part {
+                "fold" => o.fold_norm = true,
+                "nofold" => o.fold_norm = false,
+                "fuse" => o.fused_attn = true,
+                "nofuse" => o.fused_attn = false,
+                change => {
+                    let (what, value) = change.split_once('=').ok_or_else(|| {
+                        Error::Invalid(format!("change '{change}' in variant '{spec}'"))
+                    })?;
+                    if what == "merge" {
+                        o.merge_rows = value.parse().map_err(|_| {
+                            Error::Invalid(format!("merge={value}: a number of rows"))
+                        })?;
+                        continue;
+                    }
+                    let proj = Proj::parse(what)?;
+                    let i = Proj::ALL.iter().position(|&q| q == proj).expect("in ALL");
+                    o.plans[i] = GemmPlan::parse(value)?;
+                }
+            }
+        }
+        Ok(o)
+    }
+
+    /// One line for reports: the switches and every plan.
+    pub fn describe(&self) -> String {
+        let plans: Vec<String> = Proj::ALL
+            .iter()
+            .zip(&self.plans)
+            .map(|(p, plan)| format!("{}={plan}", p.name()))
+            .collect();
+        format!(
+            "fold_norm={} fused_attn={} merge_rows={} {}",
+            self.fold_norm,
+            self.fused_attn,
+            self.merge_rows,
+            plans.join(" ")
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H200: Occupancy = Occupancy {
+        sms: 132,
+        fit: 3,
+        fit_b4: 4,
+    };
+
+    #[test]
+    fn the_register_capped_kernel_takes_single_wave_grids_only() {
+        let s8 = Shape::preset("qwen3-8b").unwrap();
+        let o = StepOptions::auto(&s8, H200);
+        // 4096 outputs: 512 tiles, one wave at 4 blocks an SM, two at 3.
+        assert!(o.plan(Proj::O).b4 && o.plan(Proj::Down).b4);
+        assert!(!o.plan(Proj::GateUp).b4 && !o.plan(Proj::LmHead).b4 && !o.plan(Proj::Qkv).b4);
+        let s15 = Shape::preset("qwen2.5-1.5b").unwrap();
+        let o15 = StepOptions::auto(&s15, H200);
+        assert!(o15.plans.iter().all(|p| !p.b4));
+        assert!(o15.merges_in_kernel(1) && o15.merges_in_kernel(2) && !o15.merges_in_kernel(4));
+        // The plan never depends on anything but the shape and the GPU.
+        assert_eq!(o, StepOptions::auto(&s8, H200));
+    }
+
+    #[test]
+    fn variants_parse_and_bad_ones_are_refused() {
+        let s = Shape::preset("qwen2.5-1.5b").unwrap();
+        let v = StepOptions::parse("auto+fold+merge=16+down=b4", &s, H200).unwrap();
+        assert!(v.fold_norm && v.fused_attn && v.merges_in_kernel(16));
+        assert!(v.plan(Proj::Down).b4 && !v.plan(Proj::Qkv).b4);
+        let u = StepOptions::parse("unfused", &s, H200).unwrap();
+        assert!(!u.fold_norm && !u.fused_attn && !u.merges_in_kernel(1));
+        let err = |spec: &str| StepOptions::parse(spec, &s, H200).unwrap_err().to_string();
+        assert!(err("auto+mlp=b4").contains("unknown projection"));
+        assert!(err("auto+down=b8").contains("plain or b4"));
+        assert!(err("auto+merge=all").contains("number of rows"));
+        assert!(err("auto+faster").contains("change 'faster'"));
+        assert!(err("fast").contains("variant"));
+    }
+}
