@@ -14,15 +14,17 @@
 //
 // Layouts (row-major): activations [16 rows, width] (rows >= M are never read); a weight
 // [N, K] (out, in); the KV cache of a layer [kv_heads, max_ctx, head_dim].
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+
+namespace cg = cooperative_groups;
 
 typedef __nv_bfloat16 bf16;
 
 #define MAX_ROWS 16
-#define GEMM_UNROLL 4
 #define ATTN_CHUNK 32
-#define ATTN_THREADS 128
+#define ATTN_PARTIAL_THREADS 128
 #define HD_MAX 128
 #define MAX_CTX_SPLITS 258  // 8256 positions: shape.rs's MAX_CTX
 
@@ -101,13 +103,16 @@ __device__ __forceinline__ uint4 norm_load(const float* __restrict__ x, const bf
   return make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
 
-template <int WARPS, bool NORM>
+template <int WARPS, int GEMM_UNROLL, bool NORM, int CS>
 __device__ __forceinline__ void skinny_gemm_body(const void* __restrict__ Xv, const bf16* __restrict__ nw,
                                                  const bf16* __restrict__ W,
                                                  const bf16* __restrict__ bias, void* out, int M, int N,
                                                  int K, int mode, float eps) {
   __shared__ float red[WARPS][MAX_ROWS][8];
   __shared__ float ssr[WARPS][MAX_ROWS];
+  // With a cluster of CS blocks over K: this block's sums (16 rows x 8 columns, then the 16
+  // rows' sums of squares), read by the cluster's first block.
+  __shared__ float cpart[MAX_ROWS * 8 + MAX_ROWS];
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int g = lane >> 2, t = lane & 3;
   int n0 = blockIdx.x * 8;
@@ -118,9 +123,19 @@ __device__ __forceinline__ void skinny_gemm_body(const void* __restrict__ Xv, co
   const float* f1 = reinterpret_cast<const float*>(Xv) + (size_t)(g + 8) * K + t * 8;
   const bf16* nwt = nw + t * 8;
   float ss0 = 0.f, ss1 = 0.f;
+  int chunks = K / 32;
+  if constexpr (CS > 1) {
+    chunks /= CS;
+    int k0 = (int)blockIdx.y * chunks * 32;  // gridDim.y == CS: the rank in the cluster
+    wrow += k0;
+    x0 += k0;
+    x1 += k0;
+    f0 += k0;
+    f1 += k0;
+    nwt += k0;
+  }
   bool r0 = g < M, r1 = g + 8 < M;
   float d[4] = {0.f, 0.f, 0.f, 0.f};
-  int chunks = K / 32;
   const uint4 zero = make_uint4(0, 0, 0, 0);
   uint4 wv[GEMM_UNROLL], av[GEMM_UNROLL], bv[GEMM_UNROLL];
 #pragma unroll
@@ -166,50 +181,81 @@ __device__ __forceinline__ void skinny_gemm_body(const void* __restrict__ Xv, co
   }
   __syncthreads();
   int tid = threadIdx.x;
-  // The folded norm's scale of row m: rsqrt(mean(x^2) + eps), the warps' sums in order.
+  if constexpr (CS > 1) {
+    // Each block adds its warps (in order), the cluster meets, and its first block adds the
+    // blocks' sums in rank order (distributed shared memory) and runs the epilogue; the
+    // others wait at a second barrier so that their shared memory outlives those reads.
+    if (tid < MAX_ROWS * 8) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; w++) v += red[w][tid >> 3][tid & 7];
+      cpart[tid] = v;
+    }
+    if (NORM && tid < MAX_ROWS) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; w++) v += ssr[w][tid];
+      cpart[MAX_ROWS * 8 + tid] = v;
+    }
+    cg::this_cluster().sync();
+    if (cg::this_cluster().block_rank() != 0) {
+      cg::this_cluster().sync();
+      return;
+    }
+  }
+  // The sum of output (m, col) and the folded norm's scale of row m: rsqrt(mean(x^2) + eps),
+  // the warps' (or the cluster's blocks') sums in order.
+  auto total = [&](int m, int col) {
+    float v = 0.f;
+    if constexpr (CS > 1) {
+#pragma unroll
+      for (int r = 0; r < CS; r++) v += cg::this_cluster().map_shared_rank(cpart, r)[m * 8 + col];
+    } else {
+#pragma unroll
+      for (int w = 0; w < WARPS; w++) v += red[w][m][col];
+    }
+    return v;
+  };
   auto row_scale = [&](int m) {
     float ss = 0.f;
+    if constexpr (CS > 1) {
 #pragma unroll
-    for (int w = 0; w < WARPS; w++) ss += ssr[w][m];
+      for (int r = 0; r < CS; r++) ss += cg::this_cluster().map_shared_rank(cpart, r)[MAX_ROWS * 8 + m];
+    } else {
+#pragma unroll
+      for (int w = 0; w < WARPS; w++) ss += ssr[w][m];
+    }
     return rsqrtf(ss / K + eps);
   };
   if (mode == 2) {
     if (tid < MAX_ROWS * 4) {
       int m = tid >> 2, j = tid & 3;
       if (m < M) {
-        float gate = 0.f, up = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; w++) {
-          gate += red[w][m][2 * j];
-          up += red[w][m][2 * j + 1];
-        }
+        float gate = total(m, 2 * j), up = total(m, 2 * j + 1);
         if constexpr (NORM) {
           float rs = row_scale(m);
           gate *= rs;
           up *= rs;
         }
-        float s = gate / (1.f + __expf(-gate)) * up;
-        reinterpret_cast<bf16*>(out)[(size_t)m * (N / 2) + n0 / 2 + j] = __float2bfloat16(s);
+        float v = gate / (1.f + __expf(-gate)) * up;
+        reinterpret_cast<bf16*>(out)[(size_t)m * (N / 2) + n0 / 2 + j] = __float2bfloat16(v);
       }
     }
-    return;
-  }
-  if (tid < MAX_ROWS * 8) {
+  } else if (tid < MAX_ROWS * 8) {
     int m = tid >> 3, col = tid & 7;
     if (m < M) {
-      float s = 0.f;
-#pragma unroll
-      for (int w = 0; w < WARPS; w++) s += red[w][m][col];
-      if constexpr (NORM) s *= row_scale(m);
+      float v = total(m, col);
+      if constexpr (NORM) v *= row_scale(m);
       float* o = reinterpret_cast<float*>(out) + (size_t)m * N + n0 + col;
       if (mode == 1) {
-        *o += s;
+        *o += v;
       } else {
-        if (bias) s += __bfloat162float(bias[n0 + col]);
-        *o = s;
+        if (bias) v += __bfloat162float(bias[n0 + col]);
+        *o = v;
       }
     }
   }
+  if constexpr (CS > 1) cg::this_cluster().sync();
 }
 
 extern "C" {
@@ -270,17 +316,38 @@ __global__ void rmsnorm(const float* __restrict__ x, const bf16* __restrict__ w,
 // `_norm`: X is the f32 residual stream and the RMS norm is folded in: the mma reads
 // bf16(x * nw) and acc is scaled by the row's rsqrt(mean(x^2) + eps), summed on the way.
 // Needs N % 8 == 0, K % 32 == 0, 16-byte aligned rows (the host checks).
-// `_b4` is capped at 64 registers so that four blocks fit an SM: the host picks it where that
-// puts every output tile in a single wave (the 512 tiles of a 4096-wide projection on 132 SMs:
-// one wave instead of two; 15-20% faster there, slower with many waves).
+// Each warp keeps 4 chunks of 32 k in flight; `_deep` keeps 8 (more bytes in flight where few
+// blocks share the multiprocessors, and one round trip for the 6 chunks a warp takes of a K of
+// 1536). `_b4` is capped at 64 registers so that four blocks fit an SM: one wave where the
+// plain kernel needs two (the 512 tiles of a 4096-wide projection on 132 SMs), and more
+// resident blocks to hide the epilogue of short blocks.
 #define GEMM_ARGS                                                                              \
   const void *__restrict__ X, const bf16 *__restrict__ nw, const bf16 *__restrict__ W,         \
       const bf16 *__restrict__ bias, void *out, int M, int N, int K, int mode, float eps
 #define GEMM_PASS X, nw, W, bias, out, M, N, K, mode, eps
-__global__ void __launch_bounds__(256) skinny_gemm(GEMM_ARGS) { skinny_gemm_body<8, false>(GEMM_PASS); }
-__global__ void __launch_bounds__(256, 4) skinny_gemm_b4(GEMM_ARGS) { skinny_gemm_body<8, false>(GEMM_PASS); }
-__global__ void __launch_bounds__(256) skinny_gemm_norm(GEMM_ARGS) { skinny_gemm_body<8, true>(GEMM_PASS); }
-__global__ void __launch_bounds__(256, 4) skinny_gemm_b4_norm(GEMM_ARGS) { skinny_gemm_body<8, true>(GEMM_PASS); }
+#define GEMM_KERNEL(name, bounds, unroll, norm, cs) \
+  __global__ void bounds name(GEMM_ARGS) { skinny_gemm_body<8, unroll, norm, cs>(GEMM_PASS); }
+#define B1 __launch_bounds__(256)
+#define B4 __launch_bounds__(256, 4)
+GEMM_KERNEL(skinny_gemm, B1, 4, false, 1)
+GEMM_KERNEL(skinny_gemm_b4, B4, 4, false, 1)
+GEMM_KERNEL(skinny_gemm_deep, B1, 8, false, 1)
+GEMM_KERNEL(skinny_gemm_norm, B1, 4, true, 1)
+GEMM_KERNEL(skinny_gemm_b4_norm, B4, 4, true, 1)
+GEMM_KERNEL(skinny_gemm_deep_norm, B1, 8, true, 1)
+// Split-K over a cluster of 2 or 4 blocks (grid (N / 8, CS)): more, shorter blocks for grids
+// that would leave multiprocessors idle or unevenly loaded, merged through distributed shared
+// memory with no global atomics.
+#define C2 __cluster_dims__(1, 2, 1)
+#define C4 __cluster_dims__(1, 4, 1)
+GEMM_KERNEL(skinny_gemm_x2, C2 B1, 4, false, 2)
+GEMM_KERNEL(skinny_gemm_b4_x2, C2 B4, 4, false, 2)
+GEMM_KERNEL(skinny_gemm_x4, C4 B1, 4, false, 4)
+GEMM_KERNEL(skinny_gemm_b4_x4, C4 B4, 4, false, 4)
+GEMM_KERNEL(skinny_gemm_norm_x2, C2 B1, 4, true, 2)
+GEMM_KERNEL(skinny_gemm_b4_norm_x2, C2 B4, 4, true, 2)
+GEMM_KERNEL(skinny_gemm_norm_x4, C4 B1, 4, true, 4)
+GEMM_KERNEL(skinny_gemm_b4_norm_x4, C4 B4, 4, true, 4)
 
 // Per (row, head) of the fused q|k|v output: the optional per-head RMS norm (qwen3), rotary
 // embedding (rotate-half) at position state[0] + m, then q to `q` (f32 [M, heads, hd]) and k, v
@@ -328,7 +395,7 @@ __global__ void rope_kv(const float* __restrict__ qkv, const int* __restrict__ s
 // M rows of head h (causal: row m sees keys 0..state[0] + m) and writes its unnormalised output
 // and (max, sum) for the second pass. Splits past the current length exit at once, so a graph
 // sized for max_ctx replays at any length. Grid: (heads, ceil(max_ctx / 32)); block: 128.
-__global__ void __launch_bounds__(ATTN_THREADS)
+__global__ void __launch_bounds__(ATTN_PARTIAL_THREADS)
     attn_partial(const float* __restrict__ q, const bf16* __restrict__ k_cache,
                  const bf16* __restrict__ v_cache, const int* __restrict__ state,
                  float* __restrict__ part_o, float* __restrict__ part_ml, int M, int heads,
@@ -346,19 +413,19 @@ __global__ void __launch_bounds__(ATTN_THREADS)
   if (kbeg >= pos0 + M) return;
   int nk = min(ATTN_CHUNK, pos0 + M - kbeg);
   int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  for (int e = tid; e < M * hd; e += ATTN_THREADS) {
+  for (int e = tid; e < M * hd; e += ATTN_PARTIAL_THREADS) {
     int m = e / hd, dd = e % hd;
     q_s[m][dd] = q[((size_t)m * heads + h) * hd + dd] * scale;
   }
   const bf16* kc = k_cache + ((size_t)kvh * max_ctx + kbeg) * hd;
   const bf16* vc = v_cache + ((size_t)kvh * max_ctx + kbeg) * hd;
-  for (int e = tid; e < nk * hd; e += ATTN_THREADS) {
+  for (int e = tid; e < nk * hd; e += ATTN_PARTIAL_THREADS) {
     int j = e / hd, dd = e % hd;
     k_s[j][dd] = __bfloat162float(kc[e]);
     v_s[j][dd] = __bfloat162float(vc[e]);
   }
   __syncthreads();
-  for (int e = tid; e < M * ATTN_CHUNK; e += ATTN_THREADS) {
+  for (int e = tid; e < M * ATTN_CHUNK; e += ATTN_PARTIAL_THREADS) {
     int m = e / ATTN_CHUNK, j = e % ATTN_CHUNK;
     float sc = -INFINITY;
     if (j < nk && kbeg + j <= pos0 + m) {
@@ -368,7 +435,7 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     p_s[m][j] = sc;
   }
   __syncthreads();
-  for (int m = warp; m < M; m += ATTN_THREADS / 32) {
+  for (int m = warp; m < M; m += ATTN_PARTIAL_THREADS / 32) {
     float v = p_s[m][lane];
     float mx = warp_max(v);
     float e = mx == -INFINITY ? 0.f : __expf(v - mx);
@@ -381,7 +448,7 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     }
   }
   __syncthreads();
-  for (int e = tid; e < M * hd; e += ATTN_THREADS) {
+  for (int e = tid; e < M * hd; e += ATTN_PARTIAL_THREADS) {
     int m = e / hd, dd = e % hd;
     float o = 0.f;
     for (int j = 0; j < nk; j++) o += p_s[m][j] * v_s[j][dd];
@@ -488,14 +555,16 @@ __device__ __forceinline__ void rope_row(const float* __restrict__ src, const bf
 // by it) merges them in split order; without `merge` every block writes its partial and
 // attn_merge merges (one block per row and head: the faster for windows of many rows). Splits past the current length exit at once, so a graph sized for max_ctx
 // replays at any length. Grid: (heads, ceil(max_ctx / 32)); block: 128.
-__global__ void __launch_bounds__(ATTN_THREADS)
-    attn_fused(const float* __restrict__ qkv, const int* __restrict__ state,
-               const float* __restrict__ cos_t, const float* __restrict__ sin_t,
-               const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm,
-               bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, float* __restrict__ part_o,
-               float* __restrict__ part_ml, unsigned* __restrict__ counters,
-               bf16* __restrict__ out, int M, int heads, int kv_heads, int hd, int max_ctx,
-               float scale, float eps, int merge) {
+}  // extern "C"
+
+template <int ATTN_THREADS>
+__device__ __forceinline__ void attn_fused_body(
+    const float* __restrict__ qkv, const int* __restrict__ state, const float* __restrict__ cos_t,
+    const float* __restrict__ sin_t, const bf16* __restrict__ q_norm,
+    const bf16* __restrict__ k_norm, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
+    float* __restrict__ part_o, float* __restrict__ part_ml, unsigned* __restrict__ counters,
+    bf16* __restrict__ out, int M, int heads, int kv_heads, int hd, int max_ctx, float scale,
+    float eps, int merge) {
   __shared__ float q_s[MAX_ROWS][HD_MAX];
   __shared__ float k_s[ATTN_CHUNK][HD_MAX + 1];
   __shared__ float v_s[ATTN_CHUNK][HD_MAX];
@@ -602,6 +671,24 @@ __global__ void __launch_bounds__(ATTN_THREADS)
   }
   if (tid == 0) counters[h] = 0;
 }
+
+extern "C" {
+
+#define ATTN_ARGS                                                                                 \
+  const float *__restrict__ qkv, const int *__restrict__ state, const float *__restrict__ cos_t,  \
+      const float *__restrict__ sin_t, const bf16 *__restrict__ q_norm,                           \
+      const bf16 *__restrict__ k_norm, bf16 *__restrict__ k_cache, bf16 *__restrict__ v_cache,    \
+      float *__restrict__ part_o, float *__restrict__ part_ml, unsigned *__restrict__ counters,    \
+      bf16 *__restrict__ out, int M, int heads, int kv_heads, int hd, int max_ctx, float scale,   \
+      float eps, int merge
+#define ATTN_PASS                                                                               \
+  qkv, state, cos_t, sin_t, q_norm, k_norm, k_cache, v_cache, part_o, part_ml, counters, out, M, \
+      heads, kv_heads, hd, max_ctx, scale, eps, merge
+// The same with 128 and 256 threads (every value is computed by one thread or one warp in one
+// order whatever the block's size, so both give the same bits): the wider for windows of many
+// rows, whose scores and weighted sums are most of the work.
+__global__ void __launch_bounds__(128) attn_fused(ATTN_ARGS) { attn_fused_body<128>(ATTN_PASS); }
+__global__ void __launch_bounds__(256) attn_fused_wide(ATTN_ARGS) { attn_fused_body<256>(ATTN_PASS); }
 
 // ids[m] = argmax of logits[m, :] (the lowest index among equal maxima). Grid: M; block: 1024.
 __global__ void argmax_rows(const float* __restrict__ logits, int* __restrict__ ids, int vocab) {

@@ -87,12 +87,17 @@ pub struct Kernels {
     pub rmsnorm: CudaFunction,
     pub skinny_gemm: CudaFunction,
     pub skinny_gemm_b4: CudaFunction,
+    pub skinny_gemm_deep: CudaFunction,
     pub skinny_gemm_norm: CudaFunction,
     pub skinny_gemm_b4_norm: CudaFunction,
+    pub skinny_gemm_deep_norm: CudaFunction,
+    /// `[plain x2, b4 x2, plain x4, b4 x4]`, then the same with the norm folded in.
+    pub skinny_gemm_split: [CudaFunction; 8],
     pub rope_kv: CudaFunction,
     pub attn_partial: CudaFunction,
     pub attn_merge: CudaFunction,
     pub attn_fused: CudaFunction,
+    pub attn_fused_wide: CudaFunction,
     pub argmax_rows: CudaFunction,
 }
 
@@ -135,12 +140,25 @@ impl Gpu {
             rmsnorm: f("rmsnorm")?,
             skinny_gemm: f("skinny_gemm")?,
             skinny_gemm_b4: f("skinny_gemm_b4")?,
+            skinny_gemm_deep: f("skinny_gemm_deep")?,
             skinny_gemm_norm: f("skinny_gemm_norm")?,
             skinny_gemm_b4_norm: f("skinny_gemm_b4_norm")?,
+            skinny_gemm_deep_norm: f("skinny_gemm_deep_norm")?,
+            skinny_gemm_split: [
+                f("skinny_gemm_x2")?,
+                f("skinny_gemm_b4_x2")?,
+                f("skinny_gemm_x4")?,
+                f("skinny_gemm_b4_x4")?,
+                f("skinny_gemm_norm_x2")?,
+                f("skinny_gemm_b4_norm_x2")?,
+                f("skinny_gemm_norm_x4")?,
+                f("skinny_gemm_b4_norm_x4")?,
+            ],
             rope_kv: f("rope_kv")?,
             attn_partial: f("attn_partial")?,
             attn_merge: f("attn_merge")?,
             attn_fused: f("attn_fused")?,
+            attn_fused_wide: f("attn_fused_wide")?,
             argmax_rows: f("argmax_rows")?,
         };
         let sms = ctx
@@ -172,11 +190,17 @@ impl Gpu {
     /// The projection kernel of `plan`, with the RMS norm folded in or not.
     pub fn gemm(&self, plan: GemmPlan, norm: bool) -> &CudaFunction {
         let k = &self.kernels;
-        match (plan.b4, norm) {
-            (false, false) => &k.skinny_gemm,
-            (true, false) => &k.skinny_gemm_b4,
-            (false, true) => &k.skinny_gemm_norm,
-            (true, true) => &k.skinny_gemm_b4_norm,
+        match (plan, norm) {
+            (GemmPlan::Plain, false) => &k.skinny_gemm,
+            (GemmPlan::B4, false) => &k.skinny_gemm_b4,
+            (GemmPlan::Deep, false) => &k.skinny_gemm_deep,
+            (GemmPlan::Plain, true) => &k.skinny_gemm_norm,
+            (GemmPlan::B4, true) => &k.skinny_gemm_b4_norm,
+            (GemmPlan::Deep, true) => &k.skinny_gemm_deep_norm,
+            (GemmPlan::PlainX2, n) => &k.skinny_gemm_split[4 * usize::from(n)],
+            (GemmPlan::B4X2, n) => &k.skinny_gemm_split[1 + 4 * usize::from(n)],
+            (GemmPlan::PlainX4, n) => &k.skinny_gemm_split[2 + 4 * usize::from(n)],
+            (GemmPlan::B4X4, n) => &k.skinny_gemm_split[3 + 4 * usize::from(n)],
         }
     }
 

@@ -49,33 +49,81 @@ impl Proj {
     }
 }
 
-/// The kernel of one projection: the plain one, or `b4`, capped at 64 registers so that four
-/// blocks fit a multiprocessor (one wave where the plain kernel needs two).
+/// The kernel of one projection: `Plain` keeps 4 chunks of 32 inputs in flight a warp; `B4`
+/// is the same capped at 64 registers so that four blocks fit a multiprocessor (one wave where
+/// the plain kernel needs two; more resident blocks to hide the epilogues of short blocks);
+/// `Deep` keeps 8 chunks in flight (two blocks a multiprocessor); `X2`/`X4` split K over a
+/// cluster of 2 or 4 blocks merged in distributed shared memory (more, evenly spread blocks
+/// for grids that leave multiprocessors idle). The split changes the order of the sums (so it
+/// is chosen from the shape alone); the others give the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GemmPlan {
-    pub b4: bool,
+pub enum GemmPlan {
+    Plain,
+    B4,
+    Deep,
+    PlainX2,
+    B4X2,
+    PlainX4,
+    B4X4,
 }
 
 impl GemmPlan {
-    pub const PLAIN: GemmPlan = GemmPlan { b4: false };
-    pub const B4: GemmPlan = GemmPlan { b4: true };
+    pub const ALL: [GemmPlan; 7] = [
+        GemmPlan::Plain,
+        GemmPlan::B4,
+        GemmPlan::Deep,
+        GemmPlan::PlainX2,
+        GemmPlan::B4X2,
+        GemmPlan::PlainX4,
+        GemmPlan::B4X4,
+    ];
 
-    /// `plain` or `b4`.
+    /// Blocks of a cluster that split K.
+    pub fn split(self) -> usize {
+        match self {
+            GemmPlan::Plain | GemmPlan::B4 | GemmPlan::Deep => 1,
+            GemmPlan::PlainX2 | GemmPlan::B4X2 => 2,
+            GemmPlan::PlainX4 | GemmPlan::B4X4 => 4,
+        }
+    }
+
+    /// The grid over `n` outputs: `(n / 8, split)`.
+    pub fn grid(self, n: usize) -> (u32, u32) {
+        ((n / 8) as u32, self.split() as u32)
+    }
+
+    /// Whether this plan splits a K of `k` (32-wide chunks, evenly).
+    pub fn fits(self, k: usize) -> bool {
+        (k / 32).is_multiple_of(self.split())
+    }
+
+    /// `plain`, `b4`, `deep`, `plainx2`, `b4x2`, `plainx4` or `b4x4`.
     ///
     /// # Errors
     /// [`Error::Invalid`] for another word.
     pub fn parse(text: &str) -> Result<Self> {
-        match text {
-            "plain" => Ok(Self::PLAIN),
-            "b4" => Ok(Self::B4),
-            other => Err(Error::Invalid(format!("plan '{other}' (plain or b4)"))),
-        }
+        Self::ALL
+            .into_iter()
+            .find(|p| p.to_string() == text)
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "plan '{text}' (plain, b4, deep, plainx2, b4x2, plainx4, b4x4)"
+                ))
+            })
     }
 }
 
 impl std::fmt::Display for GemmPlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.b4 { "b4" } else { "plain" })
+        f.write_str(match self {
+            GemmPlan::Plain => "plain",
+            GemmPlan::B4 => "b4",
+            GemmPlan::Deep => "deep",
+            GemmPlan::PlainX2 => "plainx2",
+            GemmPlan::B4X2 => "b4x2",
+            GemmPlan::PlainX4 => "plainx4",
+            GemmPlan::B4X4 => "b4x4",
+        })
     }
 }
 
@@ -88,14 +136,26 @@ pub struct Occupancy {
     pub fit_b4: usize,
 }
 
-/// The kernel for `n` outputs: the 64-register one where its fourth block an SM fits every
-/// output tile into one wave that would otherwise take two or more (its spill costs more than
-/// a partial last wave once there are many waves: `cuda-bench`'s table).
-pub fn auto_plan(n: usize, occ: Occupancy) -> GemmPlan {
+/// Blocks of the deep kernel that fit a multiprocessor (126 registers × 256 threads).
+const DEEP_FIT: usize = 2;
+/// Inputs up to which a projection's blocks are short (6 chunks a warp at 1536).
+const SHORT_K: usize = 2048;
+
+/// The kernel for an `n × k` projection (`cuda-bench`'s table on the H200): the 64-register one
+/// where its fourth block an SM fits every output tile into one wave that would otherwise take
+/// two or more, and for short blocks over many waves; the deep one for grids of at most two
+/// blocks a multiprocessor, which leave too few loads in flight; the plain one otherwise.
+pub fn auto_plan(n: usize, k: usize, occ: Occupancy) -> GemmPlan {
     let tiles = n / 8;
     let waves = |fit: usize| tiles.div_ceil(fit * occ.sms);
-    GemmPlan {
-        b4: waves(occ.fit_b4) == 1 && waves(occ.fit) > 1,
+    if waves(occ.fit_b4) == 1 && waves(occ.fit) > 1 {
+        GemmPlan::B4
+    } else if waves(DEEP_FIT) == 1 {
+        GemmPlan::Deep
+    } else if k <= SHORT_K {
+        GemmPlan::B4
+    } else {
+        GemmPlan::Plain
     }
 }
 
@@ -126,7 +186,10 @@ impl StepOptions {
             fold_norm: false,
             fused_attn: true,
             merge_rows: MERGE_IN_KERNEL_ROWS,
-            plans: Proj::ALL.map(|p| auto_plan(p.dims(shape).0, occ)),
+            plans: Proj::ALL.map(|p| {
+                let (n, k) = p.dims(shape);
+                auto_plan(n, k, occ)
+            }),
         }
     }
 
@@ -151,7 +214,7 @@ impl StepOptions {
 
     /// A variant by name, for benchmarks: `auto` or `unfused`, then `+` separated changes:
     /// `fold`, `nofold`, `fuse`, `nofuse`, `merge=ROWS` (the widest window merging in the
-    /// attention kernel), or `PROJ=PLAN` (`down=b4`, `lm_head=plain`).
+    /// attention kernel), or `PROJ=PLAN` (`down=b4`, `lm_head=plain`, `qkv=deep`).
     ///
     /// # Errors
     /// [`Error::Invalid`] for an unknown name or change.
@@ -184,7 +247,15 @@ impl StepOptions {
                     }
                     let proj = Proj::parse(what)?;
                     let i = Proj::ALL.iter().position(|&q| q == proj).expect("in ALL");
-                    o.plans[i] = GemmPlan::parse(value)?;
+                    let plan = GemmPlan::parse(value)?;
+                    let k = proj.dims(shape).1;
+                    if !plan.fits(k) {
+                        return Err(Error::Invalid(format!(
+                            "plan {plan} cannot split {}'s {k} inputs evenly",
+                            proj.name()
+                        )));
+                    }
+                    o.plans[i] = plan;
                 }
             }
         }
@@ -219,15 +290,23 @@ mod tests {
     };
 
     #[test]
-    fn the_register_capped_kernel_takes_single_wave_grids_only() {
+    fn each_projection_gets_the_kernel_its_grid_needs() {
         let s8 = Shape::preset("qwen3-8b").unwrap();
         let o = StepOptions::auto(&s8, H200);
         // 4096 outputs: 512 tiles, one wave at 4 blocks an SM, two at 3.
-        assert!(o.plan(Proj::O).b4 && o.plan(Proj::Down).b4);
-        assert!(!o.plan(Proj::GateUp).b4 && !o.plan(Proj::LmHead).b4 && !o.plan(Proj::Qkv).b4);
+        assert_eq!(o.plan(Proj::O), GemmPlan::B4);
+        assert_eq!(o.plan(Proj::Down), GemmPlan::B4);
+        for p in [Proj::GateUp, Proj::LmHead, Proj::Qkv] {
+            assert_eq!(o.plan(p), GemmPlan::Plain, "{p:?}");
+        }
         let s15 = Shape::preset("qwen2.5-1.5b").unwrap();
         let o15 = StepOptions::auto(&s15, H200);
-        assert!(o15.plans.iter().all(|p| !p.b4));
+        // 192-256 tiles: one wave of the deep kernel; K = 1536 over many waves: b4.
+        for p in [Proj::Qkv, Proj::O, Proj::Down] {
+            assert_eq!(o15.plan(p), GemmPlan::Deep, "{p:?}");
+        }
+        assert_eq!(o15.plan(Proj::GateUp), GemmPlan::B4);
+        assert_eq!(o15.plan(Proj::LmHead), GemmPlan::B4);
         assert!(o15.merges_in_kernel(1) && o15.merges_in_kernel(2) && !o15.merges_in_kernel(4));
         // The plan never depends on anything but the shape and the GPU.
         assert_eq!(o, StepOptions::auto(&s8, H200));
@@ -236,14 +315,25 @@ mod tests {
     #[test]
     fn variants_parse_and_bad_ones_are_refused() {
         let s = Shape::preset("qwen2.5-1.5b").unwrap();
-        let v = StepOptions::parse("auto+fold+merge=16+down=b4", &s, H200).unwrap();
+        let v = StepOptions::parse("auto+fold+merge=16+down=plain", &s, H200).unwrap();
         assert!(v.fold_norm && v.fused_attn && v.merges_in_kernel(16));
-        assert!(v.plan(Proj::Down).b4 && !v.plan(Proj::Qkv).b4);
+        assert_eq!(v.plan(Proj::Down), GemmPlan::Plain);
+        assert_eq!(v.plan(Proj::Qkv), GemmPlan::Deep);
         let u = StepOptions::parse("unfused", &s, H200).unwrap();
         assert!(!u.fold_norm && !u.fused_attn && !u.merges_in_kernel(1));
         let err = |spec: &str| StepOptions::parse(spec, &s, H200).unwrap_err().to_string();
         assert!(err("auto+mlp=b4").contains("unknown projection"));
-        assert!(err("auto+down=b8").contains("plain or b4"));
+        assert!(err("auto+down=b8").contains("plain, b4, deep"));
+        // 96 inputs are 3 chunks: no even split in 2.
+        let tiny = Shape {
+            hidden: 96,
+            heads: 1,
+            kv_heads: 1,
+            head_dim: 64,
+            ..s.clone()
+        };
+        let e = StepOptions::parse("auto+qkv=b4x2", &tiny, H200).unwrap_err().to_string();
+        assert!(e.contains("cannot split"), "{e}");
         assert!(err("auto+merge=all").contains("number of rows"));
         assert!(err("auto+faster").contains("change 'faster'"));
         assert!(err("fast").contains("variant"));

@@ -429,7 +429,7 @@ impl Step {
             let plan = opts.plan(p);
             let (n, kk) = p.dims(sh);
             let (ni, ki) = (n as i32, kk as i32);
-            launch!(gpu.gemm(plan, nw != 0), ((n / 8) as u32, 1), 256, "projection";
+            launch!(gpu.gemm(plan, nw != 0), plan.grid(n), 256, "projection";
                 &xin, &nw, &w, &bias, &out, &mi, &ni, &ki, &mode, &eps)
         };
         // The norm before a projection: folded into it, or its own kernel into xn.
@@ -454,7 +454,12 @@ impl Step {
             gemm(Proj::Qkv, xin, nw, lw.qkv.ptr(), opt(&lw.qkv_bias), qkv, 0)?;
             let (qn, kn) = (opt(&lw.q_norm), opt(&lw.k_norm));
             if opts.fused_attn {
-                launch!(&k.attn_fused, (sh.heads as u32, splits), 128, "attn_fused";
+                // Wider blocks for wider windows (the same bits, see step.cu).
+                let (f, threads) = match m > 2 {
+                    true => (&k.attn_fused_wide, 256),
+                    false => (&k.attn_fused, 128),
+                };
+                launch!(f, (sh.heads as u32, splits), threads, "attn_fused";
                     &qkv, &st, &cos, &sin, &qn, &kn, &kc, &vc, &po, &pml, &counters, &attn,
                     &mi, &heads, &kvh, &hd, &max_ctx, &scale, &eps, &merge)?;
             } else {

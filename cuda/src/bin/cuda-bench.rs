@@ -131,7 +131,7 @@ impl<'a> GemmBench<'a> {
             );
             args.push(std::ptr::from_ref(&eps).cast_mut().cast());
             // SAFETY: the buffers are sized for the kernel's arguments above.
-            unsafe { gpu.launch(f, ((self.n / 8) as u32, 1), 256, true, &mut args) }
+            unsafe { gpu.launch(f, plan.grid(self.n), 256, true, &mut args) }
                 .context("projection")
         };
         for w in &self.ring {
@@ -181,7 +181,7 @@ fn main() -> Result<()> {
         let foldable = matches!(p, Proj::Qkv | Proj::GateUp);
         for rows in [1, 16] {
             let mut best: Option<(f64, GemmPlan)> = None;
-            for plan in [GemmPlan::PLAIN, GemmPlan::B4] {
+            for plan in GemmPlan::ALL.into_iter().filter(|p| p.fits(k)) {
                 for norm in [false, true] {
                     if norm && !foldable {
                         continue;

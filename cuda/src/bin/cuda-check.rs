@@ -12,9 +12,11 @@
 //!    bit (batch invariance; once across the first attention split's end), and launches with
 //!    programmatic dependent launch likewise. Each model runs under four kernel sequences:
 //!    the default (a window of 8 merges attention in its own kernel, single steps inside the
-//!    attention kernel: the check holds them to the same bits), last session's unfused one,
+//!    attention kernel: the check holds them to the same bits), last session's unfused one
+//!    with the plain projection kernel,
 //!    norms folded into the projections with the 64-register kernel everywhere, and every
-//!    window merging inside the attention kernel.
+//!    window merging inside the attention kernel with the deep kernel everywhere, and K split
+//!    over clusters of 2 and 4 blocks with the norms folded.
 //!
 //! Prints one line per check and exits 1 if any fails.
 
@@ -32,7 +34,7 @@ fn main() -> Result<()> {
     println!("cuda-check on {}", gpu.name());
     let mut failures = 0;
     let mut rng = rand::rngs::StdRng::seed_from_u64(std::process::id() as u64);
-    let plans = [GemmPlan::PLAIN, GemmPlan::B4];
+    let plans = GemmPlan::ALL;
     for (m, n, k, mode) in [
         (1, 1024, 4096, 0),
         (3, 512, 12288, 1),
@@ -78,12 +80,22 @@ fn main() -> Result<()> {
         let variant = |spec: &str| StepOptions::parse(spec, &shape, occ).expect("variant");
         for (variant, options) in [
             ("default", variant("auto")),
-            ("unfused", variant("unfused")),
+            (
+                "unfused, plain",
+                variant("unfused+qkv=plain+o_proj=plain+gate_up=plain+down=plain+lm_head=plain"),
+            ),
             (
                 "folded, b4",
                 variant("auto+fold+qkv=b4+o_proj=b4+gate_up=b4+down=b4+lm_head=b4"),
             ),
-            ("merge in kernel", variant("auto+merge=16")),
+            (
+                "deep, merge in kernel",
+                variant("auto+merge=16+qkv=deep+o_proj=deep+gate_up=deep+down=deep+lm_head=deep"),
+            ),
+            (
+                "split 2 and 4, folded",
+                variant("auto+fold+qkv=b4x2+o_proj=plainx4+gate_up=plainx2+down=b4x4+lm_head=b4x2"),
+            ),
         ] {
             failures += check_forward(&format!("{name} {variant}"), shape.clone(), options, seed)?;
         }
@@ -195,7 +207,7 @@ fn check_gemm(
     let pb = if with_bias { db.ptr() } else { 0 };
     let (mi, ni, ki) = (m as i32, n as i32, k as i32);
     let mut results = Vec::new();
-    for &plan in plans {
+    for &plan in plans.iter().filter(|p| p.fits(k)) {
         if mode == 2 {
             // bf16 output: poison with bf16 NaN.
             gpu.upload(&dout, 0, &vec![bf16::NAN.to_bits(); out_len])?;
@@ -219,7 +231,7 @@ fn check_gemm(
             unsafe {
                 gpu.launch(
                     gpu.gemm(plan, norm),
-                    ((n / 8) as u32, 1),
+                    plan.grid(n),
                     256,
                     false,
                     &mut args,
