@@ -81,48 +81,37 @@ __device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;
 
 __device__ __forceinline__ void grid_launch() { asm volatile("griddepcontrol.launch_dependents;"); }
 
-// 8 activations of row `x` at k (f32 residual stream) times the norm weights `nw` at k,
-// rounded to bf16 pairs as the mma reads them; their squares are added to `ss` (the RMS
-// norm's sum, in one fixed order per lane).
-__device__ __forceinline__ uint4 norm_load(const float* __restrict__ x, const bf16* __restrict__ nw,
-                                           float& ss) {
-  float4 lo = *reinterpret_cast<const float4*>(x);
-  float4 hi = *reinterpret_cast<const float4*>(x + 4);
-  uint4 wr = *reinterpret_cast<const uint4*>(nw);
-  const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wr);
-  float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-  uint32_t packed[4];
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    float2 w = __bfloat1622float2(w2[i]);
-    ss += v[2 * i] * v[2 * i];
-    ss += v[2 * i + 1] * v[2 * i + 1];
-    __nv_bfloat162 p = __floats2bfloat162_rn(v[2 * i] * w.x, v[2 * i + 1] * w.y);
-    packed[i] = *reinterpret_cast<uint32_t*>(&p);
-  }
-  return make_uint4(packed[0], packed[1], packed[2], packed[3]);
+// Sums of squares of the RMS norms' rows, carried between kernels as fixed point with 20
+// fraction bits: integer atomic adds commute, so the sum is the same bits whatever the order
+// in which a projection's blocks add their columns' parts.
+#define SSQ_ONE 1048576.0
+
+__device__ __forceinline__ unsigned long long ssq_fixed(float ss) {
+  return (unsigned long long)__double2ll_rn((double)ss * SSQ_ONE);
+}
+
+__device__ __forceinline__ float ssq_scale(unsigned long long q, int K, float eps) {
+  return rsqrtf((float)((double)q * (1.0 / SSQ_ONE)) / K + eps);
 }
 
 template <int WARPS, int GEMM_UNROLL, bool NORM, int CS>
-__device__ __forceinline__ void skinny_gemm_body(const void* __restrict__ Xv, const bf16* __restrict__ nw,
+__device__ __forceinline__ void skinny_gemm_body(const bf16* __restrict__ X,
+                                                 const unsigned long long* __restrict__ ssq,
                                                  const bf16* __restrict__ W,
                                                  const bf16* __restrict__ bias, void* out, int M, int N,
-                                                 int K, int mode, float eps) {
+                                                 int K, int mode, float eps, bf16* __restrict__ xb_out,
+                                                 const bf16* __restrict__ nw_out,
+                                                 unsigned long long* __restrict__ ssq_out) {
   __shared__ float red[WARPS][MAX_ROWS][8];
-  __shared__ float ssr[WARPS][MAX_ROWS];
-  // With a cluster of CS blocks over K: this block's sums (16 rows x 8 columns, then the 16
-  // rows' sums of squares), read by the cluster's first block.
-  __shared__ float cpart[MAX_ROWS * 8 + MAX_ROWS];
+  // With a cluster of CS blocks over K: this block's sums (16 rows x 8 columns), read by the
+  // cluster's first block.
+  __shared__ float cpart[MAX_ROWS * 8];
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int g = lane >> 2, t = lane & 3;
   int n0 = blockIdx.x * 8;
   const bf16* wrow = W + (size_t)(n0 + g) * K + t * 8;
-  const bf16* x0 = reinterpret_cast<const bf16*>(Xv) + (size_t)g * K + t * 8;
-  const bf16* x1 = reinterpret_cast<const bf16*>(Xv) + (size_t)(g + 8) * K + t * 8;
-  const float* f0 = reinterpret_cast<const float*>(Xv) + (size_t)g * K + t * 8;
-  const float* f1 = reinterpret_cast<const float*>(Xv) + (size_t)(g + 8) * K + t * 8;
-  const bf16* nwt = nw + t * 8;
-  float ss0 = 0.f, ss1 = 0.f;
+  const bf16* x0 = X + (size_t)g * K + t * 8;
+  const bf16* x1 = X + (size_t)(g + 8) * K + t * 8;
   int chunks = K / 32;
   if constexpr (CS > 1) {
     chunks /= CS;
@@ -130,9 +119,6 @@ __device__ __forceinline__ void skinny_gemm_body(const void* __restrict__ Xv, co
     wrow += k0;
     x0 += k0;
     x1 += k0;
-    f0 += k0;
-    f1 += k0;
-    nwt += k0;
   }
   bool r0 = g < M, r1 = g + 8 < M;
   float d[4] = {0.f, 0.f, 0.f, 0.f};
@@ -151,13 +137,8 @@ __device__ __forceinline__ void skinny_gemm_body(const void* __restrict__ Xv, co
       int cc = c + u * WARPS;
       bool in = cc < chunks;
       if (c != warp) wv[u] = in ? load_stream(wrow + cc * 32) : zero;
-      if constexpr (NORM) {
-        av[u] = (in && r0) ? norm_load(f0 + cc * 32, nwt + cc * 32, ss0) : zero;
-        bv[u] = (in && r1) ? norm_load(f1 + cc * 32, nwt + cc * 32, ss1) : zero;
-      } else {
-        av[u] = (in && r0) ? *reinterpret_cast<const uint4*>(x0 + cc * 32) : zero;
-        bv[u] = (in && r1) ? *reinterpret_cast<const uint4*>(x1 + cc * 32) : zero;
-      }
+      av[u] = (in && r0) ? *reinterpret_cast<const uint4*>(x0 + cc * 32) : zero;
+      bv[u] = (in && r1) ? *reinterpret_cast<const uint4*>(x1 + cc * 32) : zero;
     }
 #pragma unroll
     for (int u = 0; u < GEMM_UNROLL; u++) {
@@ -169,16 +150,6 @@ __device__ __forceinline__ void skinny_gemm_body(const void* __restrict__ Xv, co
   red[warp][g][2 * t + 1] = d[1];
   red[warp][g + 8][2 * t] = d[2];
   red[warp][g + 8][2 * t + 1] = d[3];
-  if constexpr (NORM) {
-    ss0 += __shfl_xor_sync(0xffffffffu, ss0, 1);
-    ss0 += __shfl_xor_sync(0xffffffffu, ss0, 2);
-    ss1 += __shfl_xor_sync(0xffffffffu, ss1, 1);
-    ss1 += __shfl_xor_sync(0xffffffffu, ss1, 2);
-    if (t == 0) {
-      ssr[warp][g] = ss0;
-      ssr[warp][g + 8] = ss1;
-    }
-  }
   __syncthreads();
   int tid = threadIdx.x;
   if constexpr (CS > 1) {
@@ -190,12 +161,6 @@ __device__ __forceinline__ void skinny_gemm_body(const void* __restrict__ Xv, co
 #pragma unroll
       for (int w = 0; w < WARPS; w++) v += red[w][tid >> 3][tid & 7];
       cpart[tid] = v;
-    }
-    if (NORM && tid < MAX_ROWS) {
-      float v = 0.f;
-#pragma unroll
-      for (int w = 0; w < WARPS; w++) v += ssr[w][tid];
-      cpart[MAX_ROWS * 8 + tid] = v;
     }
     cg::this_cluster().sync();
     if (cg::this_cluster().block_rank() != 0) {
@@ -216,17 +181,7 @@ __device__ __forceinline__ void skinny_gemm_body(const void* __restrict__ Xv, co
     }
     return v;
   };
-  auto row_scale = [&](int m) {
-    float ss = 0.f;
-    if constexpr (CS > 1) {
-#pragma unroll
-      for (int r = 0; r < CS; r++) ss += cg::this_cluster().map_shared_rank(cpart, r)[MAX_ROWS * 8 + m];
-    } else {
-#pragma unroll
-      for (int w = 0; w < WARPS; w++) ss += ssr[w][m];
-    }
-    return rsqrtf(ss / K + eps);
-  };
+  auto row_scale = [&](int m) { return ssq_scale(ssq[m], K, eps); };
   if (mode == 2) {
     if (tid < MAX_ROWS * 4) {
       int m = tid >> 2, j = tid & 3;
@@ -241,17 +196,30 @@ __device__ __forceinline__ void skinny_gemm_body(const void* __restrict__ Xv, co
         reinterpret_cast<bf16*>(out)[(size_t)m * (N / 2) + n0 / 2 + j] = __float2bfloat16(v);
       }
     }
-  } else if (tid < MAX_ROWS * 8) {
+  } else if (tid < MAX_ROWS * 8) {  // warps 0-3 whole: the shuffles below see every lane
     int m = tid >> 3, col = tid & 7;
+    float nv = 0.f;
     if (m < M) {
       float v = total(m, col);
       if constexpr (NORM) v *= row_scale(m);
       float* o = reinterpret_cast<float*>(out) + (size_t)m * N + n0 + col;
       if (mode == 1) {
-        *o += v;
+        nv = *o + v;
       } else {
-        if (bias) v += __bfloat162float(bias[n0 + col]);
-        *o = v;
+        nv = bias ? v + __bfloat162float(bias[n0 + col]) : v;
+      }
+      *o = nv;
+    }
+    // The residual add can hand the next projection its RMS norm: bf16(x * nw) and the
+    // row's sum of squares, these 8 columns' part (added in one order) added in fixed point.
+    if (mode == 1 && xb_out) {
+      float sq = nv * nv;
+      sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+      sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+      sq += __shfl_xor_sync(0xffffffffu, sq, 4);
+      if (m < M) {
+        xb_out[(size_t)m * N + n0 + col] = __float2bfloat16(nv * __bfloat162float(nw_out[n0 + col]));
+        if (col == 0) atomicAdd(ssq_out + m, ssq_fixed(sq));
       }
     }
   }
@@ -280,15 +248,30 @@ __global__ void fill_const_bf16(bf16* out, uint64_t n, float value) {
     out[i] = __float2bfloat16(value);
 }
 
-// x[m, :] = table[state[1 + m], :] in f32. Grid: M blocks.
+// x[m, :] = table[state[1 + m], :] in f32. Grid: M blocks. With `nw` (the first layer's
+// attention norm, folded into qkv) also xb = bf16(x * nw) and the row's sum of squares in slot
+// 0 of `ssq` (fixed point), zeroing the row in the other `slots` for the residual adds.
 __global__ void embed(const bf16* __restrict__ table, const int* __restrict__ state,
-                      float* __restrict__ x, int hidden) {
+                      float* __restrict__ x, int hidden, const bf16* __restrict__ nw,
+                      bf16* __restrict__ xb, unsigned long long* __restrict__ ssq, int slots) {
   grid_wait();
   grid_launch();
   int m = blockIdx.x;
   const bf16* row = table + (size_t)state[1 + m] * hidden;
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-    x[(size_t)m * hidden + i] = __bfloat162float(row[i]);
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+    float v = __bfloat162float(row[i]);
+    x[(size_t)m * hidden + i] = v;
+    if (nw) {
+      ss += v * v;
+      xb[(size_t)m * hidden + i] = __float2bfloat16(v * __bfloat162float(nw[i]));
+    }
+  }
+  if (nw) {  // uniform per block
+    ss = block_sum(ss);
+    if (threadIdx.x == 0) ssq[m] = ssq_fixed(ss);
+    for (int sl = 1 + threadIdx.x; sl < slots; sl += blockDim.x) ssq[(size_t)sl * MAX_ROWS + m] = 0;
+  }
 }
 
 // y[m, :] = bf16(x[m, :] * rsqrt(mean(x^2) + eps) * w). Grid: M blocks.
@@ -313,8 +296,9 @@ __global__ void rmsnorm(const float* __restrict__ x, const bf16* __restrict__ w,
 //   mode 0: out_f32[m, n] = acc (+ bias[n] when bias is not null)
 //   mode 1: out_f32[m, n] += acc                       (the residual add)
 //   mode 2: columns 2j, 2j+1 are gate_j, up_j: out_bf16[m, j] = silu(gate_j) * up_j
-// `_norm`: X is the f32 residual stream and the RMS norm is folded in: the mma reads
-// bf16(x * nw) and acc is scaled by the row's rsqrt(mean(x^2) + eps), summed on the way.
+// `_norm`: the RMS norm is folded in: X holds bf16(x * nw) and `ssq` the rows' sums of
+// squares of x (fixed point), written by the kernel before (embed, or a residual add given
+// `xb_out`, `nw_out`, `ssq_out`); acc is scaled by the row's rsqrt(mean(x^2) + eps).
 // Needs N % 8 == 0, K % 32 == 0, 16-byte aligned rows (the host checks).
 // Each warp keeps 4 chunks of 32 k in flight; `_deep` keeps 8 (more bytes in flight where few
 // blocks share the multiprocessors, and one round trip for the 6 chunks a warp takes of a K of
@@ -322,9 +306,11 @@ __global__ void rmsnorm(const float* __restrict__ x, const bf16* __restrict__ w,
 // plain kernel needs two (the 512 tiles of a 4096-wide projection on 132 SMs), and more
 // resident blocks to hide the epilogue of short blocks.
 #define GEMM_ARGS                                                                              \
-  const void *__restrict__ X, const bf16 *__restrict__ nw, const bf16 *__restrict__ W,         \
-      const bf16 *__restrict__ bias, void *out, int M, int N, int K, int mode, float eps
-#define GEMM_PASS X, nw, W, bias, out, M, N, K, mode, eps
+  const bf16 *__restrict__ X, const unsigned long long *__restrict__ ssq,                      \
+      const bf16 *__restrict__ W, const bf16 *__restrict__ bias, void *out, int M, int N, int K, \
+      int mode, float eps, bf16 *__restrict__ xb_out, const bf16 *__restrict__ nw_out,           \
+      unsigned long long *__restrict__ ssq_out
+#define GEMM_PASS X, ssq, W, bias, out, M, N, K, mode, eps, xb_out, nw_out, ssq_out
 #define GEMM_KERNEL(name, bounds, unroll, norm, cs) \
   __global__ void bounds name(GEMM_ARGS) { skinny_gemm_body<8, unroll, norm, cs>(GEMM_PASS); }
 #define B1 __launch_bounds__(256)

@@ -1,13 +1,13 @@
 //! The decode/verify step on the GPU: weights, KV cache and scratch allocated once, the kernel
 //! sequence of one forward over 1–16 rows, and one CUDA graph per window size.
 //!
-//! Per layer the step launches 7 kernels at one or two rows and 8 for wider windows: rmsnorm,
-//! qkv (one GEMM over the fused weight, bias in its epilogue), attention (rope + q/k norm +
-//! K/V write and split-KV in one kernel, the merge in it too up to two rows, else a merge
-//! kernel), o_proj (residual add in its epilogue), rmsnorm, gate|up (SiLU·mul in its
-//! epilogue), down (residual add). [`StepOptions`] can fold the norms into the projections'
-//! prologue and bring back last session's 9 kernels a layer (a rope_kv kernel first) for A/B
-//! runs. Positions and tokens live in device memory (`state`), copied from pinned host memory
+//! Per layer the step launches 6 kernels: qkv (one GEMM over the fused weight, the RMS norm
+//! folded in, bias in its epilogue), attention (rope + q/k norm + K/V write and split-KV in one
+//! kernel), the split merge, o_proj (residual add in its epilogue, which also hands gate|up its
+//! norm: bf16(x * w) and the rows' sums of squares), gate|up (SiLU·mul in its epilogue), down
+//! (residual add, handing the next layer's qkv its norm). [`StepOptions`] says which kernel each
+//! projection takes (split-K over thread-block clusters for small grids) and can merge
+//! attention inside its kernel, or bring back last session's 9 kernels a layer, for A/B runs. Positions and tokens live in device memory (`state`), copied from pinned host memory
 //! by the graph's first node, so a graph captured once replays at every position; the argmax
 //! ids come back by its last node. Nothing inside a step allocates, syncs or uploads parameters.
 //! Kernels can be launched with programmatic dependent launch ([`Step::set_pdl`]; see
@@ -57,6 +57,8 @@ struct Scratch {
     ids: DeviceBuffer,
     /// Arrival counters of attention's in-kernel merge, one a head, from 0.
     counters: DeviceBuffer,
+    /// The folded norms' sums of squares (fixed point), `[2 layers][MAX_ROWS]`.
+    ssq: DeviceBuffer,
 }
 
 /// The step of one sequence: a model on the GPU with its KV cache of `max_ctx` positions.
@@ -184,6 +186,7 @@ impl Step {
             logits: gpu.alloc(4 * r * shape.vocab)?,
             ids: gpu.alloc(4 * r)?,
             counters,
+            ssq: gpu.alloc(8 * MAX_ROWS * 2 * shape.layers)?,
         };
         let (cos, sin) = rope_tables(&shape, max_ctx);
         let rope_cos = gpu.alloc(4 * cos.len())?;
@@ -418,29 +421,45 @@ impl Step {
         .ctx(|| "copying the step's inputs".into())?;
         let (x, xn) = (s.x.ptr(), s.xn.ptr());
         let embed = self.weights.embed.ptr();
-        launch!(&k.embed, (rows, 1), 256, "embed"; &embed, &st, &x, &h)?;
-        let norm = |w: u64, out: u64| launch!(&k.rmsnorm, (rows, 1), 256, "rmsnorm"; &x, &w, &out, &h, &eps);
         let opts = &self.options;
+        // With the norms folded, norm i (2l: layer l's attention, 2l + 1: its MLP) hands its
+        // projection bf16(x * w) in xn and the rows' sums of squares in slot i of `ssq`.
+        let ssq = s.ssq.ptr();
+        let slot = |i: usize| ssq + (8 * MAX_ROWS * i) as u64;
+        let slots = 2 * sh.layers as i32;
+        let (nw0, ssq0) = match opts.fold_norm {
+            true => (self.weights.layers[0].attn_norm.ptr(), ssq),
+            false => (0, 0),
+        };
+        launch!(&k.embed, (rows, 1), 256, "embed"; &embed, &st, &x, &h, &nw0, &xn, &ssq0, &slots)?;
+        let norm = |w: u64, out: u64| launch!(&k.rmsnorm, (rows, 1), 256, "rmsnorm"; &x, &w, &out, &h, &eps);
         let counters = s.counters.ptr();
         let merge = i32::from(opts.merges_in_kernel(m));
-        // One projection: `nw` (the norm's weights, 0 for none) folds the RMS norm of the f32
-        // rows `xin` into it; otherwise `xin` holds bf16 rows.
-        let gemm = |p: Proj, xin: u64, nw: u64, w: u64, bias: u64, out: u64, mode: i32| {
+        // One projection of the bf16 rows `xin`: `ssq_in` (0 for none) the folded norm's sums
+        // of squares; `hand` (with the residual add) the next norm's weights and slot to fill.
+        let gemm = |p: Proj, xin: u64, ssq_in: u64, w: u64, bias: u64, out: u64, mode: i32,
+                    hand: Option<(u64, u64)>| {
             let plan = opts.plan(p);
             let (n, kk) = p.dims(sh);
             let (ni, ki) = (n as i32, kk as i32);
-            launch!(gpu.gemm(plan, nw != 0), plan.grid(n), 256, "projection";
-                &xin, &nw, &w, &bias, &out, &mi, &ni, &ki, &mode, &eps)
+            let (xb_out, (nw_out, ssq_out)) = match hand {
+                Some(h) => (xn, h),
+                None => (0, (0, 0)),
+            };
+            launch!(gpu.gemm(plan, ssq_in != 0), plan.grid(n), 256, "projection";
+                &xin, &ssq_in, &w, &bias, &out, &mi, &ni, &ki, &mode, &eps, &xb_out, &nw_out, &ssq_out)
         };
-        // The norm before a projection: folded into it, or its own kernel into xn.
-        let normed = |nw: u64| -> Result<(u64, u64)> {
+        // The norm `i` before a projection of weights `nw`: folded (handed over in xn and its
+        // slot), or its own kernel into xn.
+        let normed = |i: usize, nw: u64| -> Result<u64> {
             if opts.fold_norm {
-                Ok((x, nw))
+                Ok(slot(i))
             } else {
                 norm(nw, xn)?;
-                Ok((xn, 0))
+                Ok(0)
             }
         };
+        let hand = |i: usize, nw: u64| opts.fold_norm.then(|| (nw, slot(i)));
         let opt = |b: &Option<DeviceBuffer>| b.as_ref().map_or(0, DeviceBuffer::ptr);
         let (cos, sin) = (self.rope_cos.ptr(), self.rope_sin.ptr());
         let (qkv, q, attn, act) = (s.qkv.ptr(), s.q.ptr(), s.attn.ptr(), s.act.ptr());
@@ -450,8 +469,8 @@ impl Step {
         for (l, lw) in self.weights.layers.iter().enumerate() {
             let kc = self.k_cache.ptr() + l as u64 * layer_cache;
             let vc = self.v_cache.ptr() + l as u64 * layer_cache;
-            let (xin, nw) = normed(lw.attn_norm.ptr())?;
-            gemm(Proj::Qkv, xin, nw, lw.qkv.ptr(), opt(&lw.qkv_bias), qkv, 0)?;
+            let ssq_in = normed(2 * l, lw.attn_norm.ptr())?;
+            gemm(Proj::Qkv, xn, ssq_in, lw.qkv.ptr(), opt(&lw.qkv_bias), qkv, 0, None)?;
             let (qn, kn) = (opt(&lw.q_norm), opt(&lw.k_norm));
             if opts.fused_attn {
                 // Wider blocks for wider windows (the same bits, see step.cu).
@@ -472,10 +491,15 @@ impl Step {
                 launch!(&k.attn_merge, (sh.heads as u32, rows), 128, "attn_merge";
                     &po, &pml, &st, &attn, &heads, &hd, &splits_i)?;
             }
-            gemm(Proj::O, attn, 0, lw.o.ptr(), 0, x, 1)?;
-            let (xin, nw) = normed(lw.mlp_norm.ptr())?;
-            gemm(Proj::GateUp, xin, nw, lw.gate_up.ptr(), 0, act, 2)?;
-            gemm(Proj::Down, act, 0, lw.down.ptr(), 0, x, 1)?;
+            let to_mlp = hand(2 * l + 1, lw.mlp_norm.ptr());
+            gemm(Proj::O, attn, 0, lw.o.ptr(), 0, x, 1, to_mlp)?;
+            let ssq_in = normed(2 * l + 1, lw.mlp_norm.ptr())?;
+            gemm(Proj::GateUp, xn, ssq_in, lw.gate_up.ptr(), 0, act, 2, None)?;
+            let to_next = match self.weights.layers.get(l + 1) {
+                Some(next) => hand(2 * l + 2, next.attn_norm.ptr()),
+                None => None,
+            };
+            gemm(Proj::Down, act, 0, lw.down.ptr(), 0, x, 1, to_next)?;
             if let (Some(i), Some(buf)) = (
                 self.taps.layers.iter().position(|&t| t == l),
                 &self.taps.layer_buf,
@@ -499,7 +523,7 @@ impl Step {
             .unwrap_or(&self.weights.embed)
             .ptr();
         let logits = s.logits.ptr();
-        gemm(Proj::LmHead, xn, 0, lm, 0, logits, 0)?;
+        gemm(Proj::LmHead, xn, 0, lm, 0, logits, 0, None)?;
         let (ids, vocab) = (s.ids.ptr(), sh.vocab as i32);
         launch!(&k.argmax_rows, (rows, 1), 1024, "argmax_rows"; &logits, &ids, &vocab)?;
         // SAFETY: host_ids is pinned, holds MAX_ROWS ids and outlives the graph.

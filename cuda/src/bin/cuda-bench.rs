@@ -83,7 +83,7 @@ struct GemmBench<'a> {
     k: usize,
     ring: Vec<specula_cuda::device::DeviceBuffer>,
     x: specula_cuda::device::DeviceBuffer,
-    nw: specula_cuda::device::DeviceBuffer,
+    ssq: specula_cuda::device::DeviceBuffer,
     out: specula_cuda::device::DeviceBuffer,
 }
 
@@ -97,11 +97,11 @@ impl<'a> GemmBench<'a> {
         for (i, w) in ring.iter().enumerate() {
             gpu.fill_uniform(w.ptr(), n * k, i as u64, 0.03)?;
         }
-        // f32 rows for the folded norm are read as twice as many bf16 values: fill both.
-        let x = gpu.alloc(4 * 16 * k)?;
-        gpu.fill_const(x.ptr(), 2 * 16 * k, 0.5)?;
-        let nw = gpu.alloc(2 * k)?;
-        gpu.fill_const(nw.ptr(), k, 1.0)?;
+        let x = gpu.alloc(2 * 16 * k)?;
+        gpu.fill_const(x.ptr(), 16 * k, 0.5)?;
+        // The folded norm's sums of squares (fixed point): any value times.
+        let ssq = gpu.alloc(8 * 16)?;
+        gpu.fill_const(ssq.ptr(), 4 * 16, 1.0)?;
         let out = gpu.alloc(4 * 16 * n)?;
         Ok(Self {
             gpu,
@@ -109,7 +109,7 @@ impl<'a> GemmBench<'a> {
             k,
             ring,
             x,
-            nw,
+            ssq,
             out,
         })
     }
@@ -118,7 +118,7 @@ impl<'a> GemmBench<'a> {
     fn rate(&self, plan: GemmPlan, rows: usize, norm: bool) -> Result<(f64, f64)> {
         let gpu = self.gpu;
         let (xp, op, zero) = (self.x.ptr(), self.out.ptr(), 0u64);
-        let nwp = if norm { self.nw.ptr() } else { 0 };
+        let nwp = if norm { self.ssq.ptr() } else { 0 };
         let (mi, ni, ki, mode, eps) = (rows as i32, self.n as i32, self.k as i32, 0i32, 1e-6f32);
         let f = gpu.gemm(plan, norm);
         let launch = |w: u64| -> Result<()> {
@@ -130,6 +130,10 @@ impl<'a> GemmBench<'a> {
                     .map(|p| std::ptr::from_ref(p).cast_mut().cast::<std::ffi::c_void>()),
             );
             args.push(std::ptr::from_ref(&eps).cast_mut().cast());
+            args.extend(
+                [&zero, &zero, &zero]
+                    .map(|p| std::ptr::from_ref(p).cast_mut().cast::<std::ffi::c_void>()),
+            );
             // SAFETY: the buffers are sized for the kernel's arguments above.
             unsafe { gpu.launch(f, plan.grid(self.n), 256, true, &mut args) }
                 .context("projection")

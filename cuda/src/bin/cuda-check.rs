@@ -10,13 +10,12 @@
 //!    rewritten window (rollback), each against the reference's logits; graph replay and
 //!    eager launches must agree bit for bit, a window of 8 must equal 8 single steps bit for
 //!    bit (batch invariance; once across the first attention split's end), and launches with
-//!    programmatic dependent launch likewise. Each model runs under four kernel sequences:
-//!    the default (a window of 8 merges attention in its own kernel, single steps inside the
-//!    attention kernel: the check holds them to the same bits), last session's unfused one
-//!    with the plain projection kernel,
-//!    norms folded into the projections with the 64-register kernel everywhere, and every
-//!    window merging inside the attention kernel with the deep kernel everywhere, and K split
-//!    over clusters of 2 and 4 blocks with the norms folded.
+//!    programmatic dependent launch likewise. Each model runs under five kernel sequences:
+//!    the default (norms folded), last session's unfused one with the plain projection kernel,
+//!    the 64-register kernel everywhere with the merge inside the attention kernel at 1-2 rows
+//!    (so a window of 8, merged by its own kernel, is held to the bits of single steps merged
+//!    in the attention kernel), the norms apart with the deep kernel and every window merging
+//!    in the attention kernel, and K split over clusters of 2 and 4 blocks.
 //!
 //! Prints one line per check and exits 1 if any fails.
 
@@ -28,6 +27,8 @@ use specula_cuda::{GemmPlan, Gpu, Shape, Step, StepOptions};
 
 /// Largest ‖gpu − ref‖ / ‖ref‖ accepted: bf16 operands with f32 sums land near 1e-3.
 const TOL: f64 = 1e-2;
+/// The fixed point of the folded norms' sums of squares (`SSQ_ONE` in step.cu).
+const SSQ_ONE: f64 = 1_048_576.0;
 
 fn main() -> Result<()> {
     let gpu = Gpu::new(0).context("opening the GPU")?;
@@ -48,6 +49,7 @@ fn main() -> Result<()> {
             if norm && mode == 1 {
                 continue; // the step folds norms into qkv and gate|up only
             }
+            // Every residual add (mode 1) is checked handing the next norm over too.
             for (plan, err) in check_gemm(&gpu, &mut rng, &plans, (m, n, k), mode, bias, norm)? {
                 let what = format!(
                     "projection {plan} m={m} n={n} k={k} mode={mode} bias={bias} norm={norm}"
@@ -85,12 +87,14 @@ fn main() -> Result<()> {
                 variant("unfused+qkv=plain+o_proj=plain+gate_up=plain+down=plain+lm_head=plain"),
             ),
             (
-                "folded, b4",
-                variant("auto+fold+qkv=b4+o_proj=b4+gate_up=b4+down=b4+lm_head=b4"),
+                "folded, b4, merged in kernel at 1-2 rows",
+                variant("auto+fold+merge=2+qkv=b4+o_proj=b4+gate_up=b4+down=b4+lm_head=b4"),
             ),
             (
-                "deep, merge in kernel",
-                variant("auto+merge=16+qkv=deep+o_proj=deep+gate_up=deep+down=deep+lm_head=deep"),
+                "norms apart, deep, merge in kernel",
+                variant(
+                    "auto+nofold+merge=16+qkv=deep+o_proj=deep+gate_up=deep+down=deep+lm_head=deep",
+                ),
             ),
             (
                 "split 2 and 4, folded",
@@ -140,38 +144,35 @@ fn check_gemm(
     let w = rand_bf16(rng, n * k, 0.05);
     let b = rand_bf16(rng, n, 0.5);
     // X has 16 rows as in the step; rows >= m are poison the kernel must not read. With the
-    // norm folded in, X is the f32 residual stream and nw the norm's weights.
-    let (dx, acc) = if norm {
-        let mut x: Vec<f32> = (0..16 * k).map(|_| rng.random_range(-2.0..2.0)).collect();
-        x[m * k..].fill(f32::NAN);
+    // norm folded in, X holds bf16(x * nw) of a residual stream x and `ssq` its rows' sums of
+    // squares in fixed point (as embed or a residual add hands them over).
+    let mut ssq = vec![0u64; 16];
+    let (x, acc) = if norm {
+        let xr: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0..2.0)).collect();
         let nw = rand_bf16(rng, k, 1.0);
-        let mut a = vec![0f32; m * k];
+        let mut x = vec![bf16::NAN.to_bits(); 16 * k];
         let mut scale = vec![0f32; m];
         for r in 0..m {
-            let row = &x[r * k..(r + 1) * k];
-            let ss: f32 = row.iter().map(|v| v * v).sum();
-            scale[r] = 1.0 / (ss / k as f32 + eps).sqrt();
+            let row = &xr[r * k..(r + 1) * k];
+            let ss: f64 = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+            ssq[r] = (ss * SSQ_ONE).round() as u64;
+            scale[r] = 1.0 / (ss as f32 / k as f32 + eps).sqrt();
             for i in 0..k {
-                a[r * k + i] = bf16::from_f32(row[i] * bf16::from_bits(nw[i]).to_f32()).to_f32();
+                x[r * k + i] = bf16::from_f32(row[i] * bf16::from_bits(nw[i]).to_f32()).to_bits();
             }
         }
-        let mut acc = matmul(&a, m, &w, n, k);
+        let mut acc = matmul(&to_f32(&x[..m * k]), m, &w, n, k);
         for (i, v) in acc.iter_mut().enumerate() {
             *v *= scale[i / n];
         }
-        let dx = gpu.alloc(4 * x.len() + 2 * k)?;
-        gpu.upload(&dx, 0, &x)?;
-        gpu.upload(&dx, 4 * x.len(), &nw)?;
-        (dx, acc)
+        (x, acc)
     } else {
         let mut x = rand_bf16(rng, 16 * k, 1.0);
         for v in &mut x[m * k..] {
             *v = bf16::NAN.to_bits();
         }
         let acc = matmul(&to_f32(&x[..m * k]), m, &w, n, k);
-        let dx = gpu.alloc(2 * x.len())?;
-        gpu.upload(&dx, 0, &x)?;
-        (dx, acc)
+        (x, acc)
     };
     let out_len = if mode == 2 { m * n / 2 } else { m * n };
     let init: Vec<f32> = if mode == 1 {
@@ -193,18 +194,36 @@ fn check_gemm(
             })
             .collect()
     };
-    let (dw, db) = (gpu.alloc(2 * w.len())?, gpu.alloc(2 * n)?);
+    // The residual add also hands the next norm over: bf16(x * nw_out) and the sums of squares.
+    let nw_out = rand_bf16(rng, n, 1.0);
+    let (want_xb, want_ssq): (Vec<f32>, Vec<f32>) = if mode == 1 {
+        let xb = want
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| v * bf16::from_bits(nw_out[i % n]).to_f32())
+            .collect();
+        let ss = want.chunks(n).map(|r| r.iter().map(|v| v * v).sum()).collect();
+        (xb, ss)
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    let (dx, dssq) = (gpu.alloc(2 * x.len())?, gpu.alloc(8 * 16)?);
+    gpu.upload(&dx, 0, &x)?;
+    gpu.upload(&dssq, 0, &ssq)?;
+    let (dw, db, dnw) = (gpu.alloc(2 * w.len())?, gpu.alloc(2 * n)?, gpu.alloc(2 * n)?);
     gpu.upload(&dw, 0, &w)?;
     gpu.upload(&db, 0, &b)?;
+    gpu.upload(&dnw, 0, &nw_out)?;
     let dout = gpu.alloc(4 * out_len.max(1))?;
+    let (dxb, dssq_out) = (gpu.alloc(2 * m * n)?, gpu.alloc(8 * 16)?);
     let px = dx.ptr();
-    let pnw = if norm {
-        dx.ptr() + 4 * 16 * k as u64
-    } else {
-        0
-    };
+    let pssq = if norm { dssq.ptr() } else { 0 };
     let (pw, pout) = (dw.ptr(), dout.ptr());
     let pb = if with_bias { db.ptr() } else { 0 };
+    let (pxb, pnw, pso) = match mode {
+        1 => (dxb.ptr(), dnw.ptr(), dssq_out.ptr()),
+        _ => (0, 0, 0),
+    };
     let (mi, ni, ki) = (m as i32, n as i32, k as i32);
     let mut results = Vec::new();
     for &plan in plans.iter().filter(|p| p.fits(k)) {
@@ -214,30 +233,19 @@ fn check_gemm(
         } else {
             gpu.upload(&dout, 0, &init)?;
         }
-        {
-            let mut args: Vec<*mut std::ffi::c_void> = vec![
-                std::ptr::from_ref(&px).cast_mut().cast(),
-                std::ptr::from_ref(&pnw).cast_mut().cast(),
-                std::ptr::from_ref(&pw).cast_mut().cast(),
-                std::ptr::from_ref(&pb).cast_mut().cast(),
-                std::ptr::from_ref(&pout).cast_mut().cast(),
-                std::ptr::from_ref(&mi).cast_mut().cast(),
-                std::ptr::from_ref(&ni).cast_mut().cast(),
-                std::ptr::from_ref(&ki).cast_mut().cast(),
-                std::ptr::from_ref(&mode).cast_mut().cast(),
-                std::ptr::from_ref(&eps).cast_mut().cast(),
-            ];
-            // SAFETY: buffers sized above for the kernel's arguments.
-            unsafe {
-                gpu.launch(
-                    gpu.gemm(plan, norm),
-                    plan.grid(n),
-                    256,
-                    false,
-                    &mut args,
-                )
-            }?;
-        }
+        gpu.upload(&dxb, 0, &vec![bf16::NAN.to_bits(); m * n])?;
+        gpu.upload(&dssq_out, 0, &[0u64; 16])?;
+        let ptrs = [&px, &pssq, &pw, &pb, &pout];
+        let ints = [&mi, &ni, &ki, &mode];
+        let mut args: Vec<*mut std::ffi::c_void> = ptrs
+            .iter()
+            .map(|p| std::ptr::from_ref(*p).cast_mut().cast())
+            .collect();
+        args.extend(ints.iter().map(|p| std::ptr::from_ref(*p).cast_mut().cast::<std::ffi::c_void>()));
+        args.push(std::ptr::from_ref(&eps).cast_mut().cast());
+        args.extend([&pxb, &pnw, &pso].map(|p| std::ptr::from_ref(p).cast_mut().cast::<std::ffi::c_void>()));
+        // SAFETY: buffers sized above for the kernel's arguments.
+        unsafe { gpu.launch(gpu.gemm(plan, norm), plan.grid(n), 256, false, &mut args) }?;
         let got = if mode == 2 {
             let mut o = vec![0u16; out_len];
             gpu.download(&mut o, &dout, 0)?;
@@ -249,7 +257,19 @@ fn check_gemm(
             gpu.sync()?;
             o
         };
-        results.push((plan, rel_err(&got, &want)));
+        let mut err = rel_err(&got, &want);
+        if mode == 1 {
+            let mut xb = vec![0u16; m * n];
+            let mut sq = vec![0u64; 16];
+            gpu.download(&mut xb, &dxb, 0)?;
+            gpu.download(&mut sq, &dssq_out, 0)?;
+            gpu.sync()?;
+            let sq: Vec<f32> = sq[..m].iter().map(|&q| (q as f64 / SSQ_ONE) as f32).collect();
+            err = err
+                .max(rel_err(&to_f32(&xb), &want_xb))
+                .max(rel_err(&sq, &want_ssq));
+        }
+        results.push((plan, err));
     }
     Ok(results)
 }
