@@ -346,7 +346,9 @@ mod tests {
             head_dim: 64,
             ..s.clone()
         };
-        let e = StepOptions::parse("auto+qkv=b4x2", &tiny, H200).unwrap_err().to_string();
+        let e = StepOptions::parse("auto+qkv=b4x2", &tiny, H200)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("cannot split"), "{e}");
         assert!(err("auto+merge=all").contains("number of rows"));
         assert!(err("auto+faster").contains("change 'faster'"));

@@ -437,7 +437,13 @@ impl Step {
         let merge = i32::from(opts.merges_in_kernel(m));
         // One projection of the bf16 rows `xin`: `ssq_in` (0 for none) the folded norm's sums
         // of squares; `hand` (with the residual add) the next norm's weights and slot to fill.
-        let gemm = |p: Proj, xin: u64, ssq_in: u64, w: u64, bias: u64, out: u64, mode: i32,
+        let gemm = |p: Proj,
+                    xin: u64,
+                    ssq_in: u64,
+                    w: u64,
+                    bias: u64,
+                    out: u64,
+                    mode: i32,
                     hand: Option<(u64, u64)>| {
             let plan = opts.plan(p);
             let (n, kk) = p.dims(sh);
@@ -470,7 +476,16 @@ impl Step {
             let kc = self.k_cache.ptr() + l as u64 * layer_cache;
             let vc = self.v_cache.ptr() + l as u64 * layer_cache;
             let ssq_in = normed(2 * l, lw.attn_norm.ptr())?;
-            gemm(Proj::Qkv, xn, ssq_in, lw.qkv.ptr(), opt(&lw.qkv_bias), qkv, 0, None)?;
+            gemm(
+                Proj::Qkv,
+                xn,
+                ssq_in,
+                lw.qkv.ptr(),
+                opt(&lw.qkv_bias),
+                qkv,
+                0,
+                None,
+            )?;
             let (qn, kn) = (opt(&lw.q_norm), opt(&lw.k_norm));
             if opts.fused_attn {
                 // Wider blocks for wider windows (the same bits, see step.cu).

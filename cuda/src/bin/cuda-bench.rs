@@ -135,8 +135,7 @@ impl<'a> GemmBench<'a> {
                     .map(|p| std::ptr::from_ref(p).cast_mut().cast::<std::ffi::c_void>()),
             );
             // SAFETY: the buffers are sized for the kernel's arguments above.
-            unsafe { gpu.launch(f, plan.grid(self.n), 256, true, &mut args) }
-                .context("projection")
+            unsafe { gpu.launch(f, plan.grid(self.n), 256, true, &mut args) }.context("projection")
         };
         for w in &self.ring {
             launch(w.ptr())?;

@@ -202,7 +202,10 @@ fn check_gemm(
             .enumerate()
             .map(|(i, &v)| v * bf16::from_bits(nw_out[i % n]).to_f32())
             .collect();
-        let ss = want.chunks(n).map(|r| r.iter().map(|v| v * v).sum()).collect();
+        let ss = want
+            .chunks(n)
+            .map(|r| r.iter().map(|v| v * v).sum())
+            .collect();
         (xb, ss)
     } else {
         (Vec::new(), Vec::new())
@@ -210,7 +213,11 @@ fn check_gemm(
     let (dx, dssq) = (gpu.alloc(2 * x.len())?, gpu.alloc(8 * 16)?);
     gpu.upload(&dx, 0, &x)?;
     gpu.upload(&dssq, 0, &ssq)?;
-    let (dw, db, dnw) = (gpu.alloc(2 * w.len())?, gpu.alloc(2 * n)?, gpu.alloc(2 * n)?);
+    let (dw, db, dnw) = (
+        gpu.alloc(2 * w.len())?,
+        gpu.alloc(2 * n)?,
+        gpu.alloc(2 * n)?,
+    );
     gpu.upload(&dw, 0, &w)?;
     gpu.upload(&db, 0, &b)?;
     gpu.upload(&dnw, 0, &nw_out)?;
@@ -241,9 +248,14 @@ fn check_gemm(
             .iter()
             .map(|p| std::ptr::from_ref(*p).cast_mut().cast())
             .collect();
-        args.extend(ints.iter().map(|p| std::ptr::from_ref(*p).cast_mut().cast::<std::ffi::c_void>()));
+        args.extend(
+            ints.iter()
+                .map(|p| std::ptr::from_ref(*p).cast_mut().cast::<std::ffi::c_void>()),
+        );
         args.push(std::ptr::from_ref(&eps).cast_mut().cast());
-        args.extend([&pxb, &pnw, &pso].map(|p| std::ptr::from_ref(p).cast_mut().cast::<std::ffi::c_void>()));
+        args.extend(
+            [&pxb, &pnw, &pso].map(|p| std::ptr::from_ref(p).cast_mut().cast::<std::ffi::c_void>()),
+        );
         // SAFETY: buffers sized above for the kernel's arguments.
         unsafe { gpu.launch(gpu.gemm(plan, norm), plan.grid(n), 256, false, &mut args) }?;
         let got = if mode == 2 {
@@ -264,7 +276,10 @@ fn check_gemm(
             gpu.download(&mut xb, &dxb, 0)?;
             gpu.download(&mut sq, &dssq_out, 0)?;
             gpu.sync()?;
-            let sq: Vec<f32> = sq[..m].iter().map(|&q| (q as f64 / SSQ_ONE) as f32).collect();
+            let sq: Vec<f32> = sq[..m]
+                .iter()
+                .map(|&q| (q as f64 / SSQ_ONE) as f32)
+                .collect();
             err = err
                 .max(rel_err(&to_f32(&xb), &want_xb))
                 .max(rel_err(&sq, &want_ssq));
