@@ -257,19 +257,29 @@ impl StepOptions {
                     }
                     let proj = Proj::parse(what)?;
                     let i = Proj::ALL.iter().position(|&q| q == proj).expect("in ALL");
-                    let plan = GemmPlan::parse(value)?;
-                    let k = proj.dims(shape).1;
-                    if !plan.fits(k) {
-                        return Err(Error::Invalid(format!(
-                            "plan {plan} cannot split {}'s {k} inputs evenly",
-                            proj.name()
-                        )));
-                    }
-                    o.plans[i] = plan;
+                    o.plans[i] = GemmPlan::parse(value)?;
                 }
             }
         }
+        o.check(shape)?;
         Ok(o)
+    }
+
+    /// Whether every plan splits its projection's inputs evenly in `shape`.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the first that does not.
+    pub fn check(&self, shape: &Shape) -> Result<()> {
+        for (p, plan) in Proj::ALL.iter().zip(&self.plans) {
+            let k = p.dims(shape).1;
+            if !plan.fits(k) {
+                return Err(Error::Invalid(format!(
+                    "plan {plan} cannot split {}'s {k} inputs evenly",
+                    p.name()
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// One line for reports: the switches and every plan.
@@ -350,6 +360,11 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("cannot split"), "{e}");
+        // Options built by hand are checked as well (Step::set_options calls this).
+        let mut hand = StepOptions::auto(&tiny, H200);
+        hand.check(&tiny).unwrap();
+        hand.plans[0] = GemmPlan::PlainX4;
+        assert!(hand.check(&tiny).unwrap_err().to_string().contains("qkv"));
         assert!(err("auto+merge=all").contains("number of rows"));
         assert!(err("auto+faster").contains("change 'faster'"));
         assert!(err("fast").contains("variant"));

@@ -224,9 +224,14 @@ impl Step {
     }
 
     /// Runs later forwards with `options`. Drops the captured graphs.
-    pub fn set_options(&mut self, options: StepOptions) {
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a plan that cannot split its projection ([`StepOptions::check`]).
+    pub fn set_options(&mut self, options: StepOptions) -> Result<()> {
+        options.check(&self.shape)?;
         self.options = options;
         self.graphs.iter_mut().for_each(|g| *g = None);
+        Ok(())
     }
 
     /// Turns programmatic dependent launch on or off: each kernel is then scheduled while the

@@ -283,7 +283,7 @@ fn main() -> Result<()> {
     let mut first_extra = json!(null);
     for (vi, spec) in args.variants.iter().enumerate() {
         let options = StepOptions::parse(spec, &shape, occ)?;
-        step.set_options(options.clone());
+        step.set_options(options.clone())?;
         let (last, m) = measure(&mut step)?;
         let r = ratio_of(&m.curve);
         let w16 = m.curve.iter().find(|c| c.0 == 16).map(|c| r(c.1));

@@ -307,7 +307,7 @@ fn check_forward(name: &str, shape: Shape, options: StepOptions, seed: u64) -> R
     let dev_weights = weights.upload(&gpu)?;
     let mut step = Step::new(gpu, shape.clone(), max_ctx, dev_weights)?;
     println!("{name}: {}", options.describe());
-    step.set_options(options);
+    step.set_options(options)?;
     let mut reference = Reference::new(shape.clone(), weights, max_ctx);
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let vocab = shape.vocab;
