@@ -7,7 +7,8 @@
 //! norm: bf16(x * w) and the rows' sums of squares), gate|up (SiLU·mul in its epilogue), down
 //! (residual add, handing the next layer's qkv its norm). [`StepOptions`] says which kernel each
 //! projection takes (split-K over thread-block clusters for small grids) and can merge
-//! attention inside its kernel, or bring back last session's 9 kernels a layer, for A/B runs. Positions and tokens live in device memory (`state`), copied from pinned host memory
+//! attention inside its kernel, or bring back last session's 9 kernels a layer, for A/B runs.
+//! Positions and tokens live in device memory (`state`), copied from pinned host memory
 //! by the graph's first node, so a graph captured once replays at every position; the argmax
 //! ids come back by its last node. Nothing inside a step allocates, syncs or uploads parameters.
 //! Kernels can be launched with programmatic dependent launch ([`Step::set_pdl`]; see
