@@ -106,17 +106,6 @@ pub(crate) fn write_rows(pool: &mut KvPool, slot: usize, batch: &AttnBatch, k: &
 }
 
 impl Attention {
-    /// `xs` `[T, hidden]` → `[T, heads * head_dim]` host values with the optional per-head norm.
-    fn heads(
-        &self,
-        proj: &Linear,
-        xs: &Tensor,
-        heads: usize,
-        norm: Option<&RmsNorm>,
-    ) -> Result<Vec<f32>> {
-        host_heads(&proj.forward(xs)?, heads, self.head_dim, norm)
-    }
-
     /// Attends the rows `xs` (`[T, hidden]` f32) of `batch` to their sequences' K/V in `pool`
     /// (after writing theirs, for [`KvSlot::Own`]), over the last `window` positions of each
     /// row when set.
@@ -134,13 +123,20 @@ impl Attention {
     ) -> Result<Tensor> {
         let t = xs.dim(0)?;
         let d = self.head_dim;
-        let mut q = self.heads(&self.q_proj, xs, self.n_heads, self.q_norm.as_ref())?;
+        // q, k and v share their input: one pass of the quantized kernels for the three.
+        let proj = match kv {
+            KvSlot::Own(_) => {
+                Linear::forward_many(&[&self.q_proj, &self.k_proj, &self.v_proj], xs)?
+            }
+            KvSlot::Shared(_) => vec![self.q_proj.forward(xs)?],
+        };
+        let mut q = host_heads(&proj[0], self.n_heads, d, self.q_norm.as_ref())?;
         rope.apply(&mut q, self.n_heads, &batch.positions)?;
         let slot = match kv {
             KvSlot::Own(slot) => {
-                let mut k = self.heads(&self.k_proj, xs, self.kv_heads, self.k_norm.as_ref())?;
+                let mut k = host_heads(&proj[1], self.kv_heads, d, self.k_norm.as_ref())?;
                 rope.apply(&mut k, self.kv_heads, &batch.positions)?;
-                let v = self.heads(&self.v_proj, xs, self.kv_heads, None)?;
+                let v = host_heads(&proj[2], self.kv_heads, d, None)?;
                 write_rows(pool, slot, batch, &k, &v);
                 slot
             }

@@ -135,6 +135,39 @@ impl Linear {
     }
 }
 
+impl Linear {
+    /// `layers[i].forward(xs)` for every `i`, bit for bit, for projections that share their
+    /// input (q|k|v, gate|up): when all are quantized on the CPU on one SIMD path, one
+    /// [`qmatmul::matmul_many`] (one activation quantization, one fork-join).
+    ///
+    /// # Errors
+    /// On a shape mismatch.
+    pub fn forward_many(layers: &[&Linear], xs: &Tensor) -> Result<Vec<Tensor>> {
+        let quantized: Option<Vec<&qmatmul::QWeight>> = (layers.iter())
+            .map(|l| match &l.weight {
+                Weight::Quantized(w) if l.isa == layers[0].isa => Some(&**w),
+                _ => None,
+            })
+            .collect();
+        let (Some(ws), Some((&k, lead))) = (quantized, xs.dims().split_last()) else {
+            return layers.iter().map(|l| l.forward(xs)).collect();
+        };
+        let rows: usize = lead.iter().product();
+        let ys = qmatmul::matmul_many(layers[0].isa, &ws, &xs.reshape((rows, k))?)?;
+        (layers.iter().zip(ys))
+            .map(|(l, ys)| {
+                let mut out = lead.to_vec();
+                out.push(ys.dim(1)?);
+                let ys = ys.reshape(out)?;
+                match &l.bias {
+                    Some(b) => Ok(ys.broadcast_add(b)?),
+                    None => Ok(ys),
+                }
+            })
+            .collect()
+    }
+}
+
 /// `xs` `[m, k]` times the CPU dense weight `w` `[n, k]` through [`dense::matmul`].
 fn dense_forward(isa: Isa, w: &Tensor, xs: &Tensor) -> Result<Tensor> {
     let (n, k) = w.dims2()?;
@@ -238,6 +271,44 @@ mod tests {
                             _ => continue,
                         };
                         assert_eq!(y, want, "{name} {isa}: row {r} of {m} rows");
+                    }
+                }
+            }
+        }
+    }
+
+    /// `forward_many` over layers sharing an input gives each layer's own `forward`, bit for
+    /// bit: packed, k-quant, raw `Q6_K` and dense weights mixed, a bias, every SIMD path, one
+    /// row, a window and a window past a group of 8.
+    #[test]
+    fn forward_many_equals_each_forward() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(23);
+        let k = 512;
+        let xs: Vec<f32> = (0..9 * k).map(|_| rng.random_range(-2.0..2.0)).collect();
+        let xs = Tensor::from_vec(xs, (9, k), &Device::Cpu).unwrap();
+        let mut all: Vec<Linear> = layers(&mut rng, 48, k)
+            .into_iter()
+            .map(|(_, l)| l)
+            .collect();
+        let bias = Tensor::arange(0f32, 48., &Device::Cpu).unwrap();
+        all.push(Linear::new(all[4].weight.clone(), Some(bias)).unwrap());
+        let bits = |t: &Tensor| -> Vec<u32> {
+            let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+            v.into_iter().map(f32::to_bits).collect()
+        };
+        // Q4_0 Q4_1 Q5_0 | Q8_0 Q4_K Q6_K Q4_K+bias | Q4_1 + dense f16 | Q6_K alone
+        for ids in [vec![0, 1, 2], vec![3, 4, 5, 12], vec![1, 7], vec![5]] {
+            for isa in Isa::available() {
+                let set: Vec<Linear> = ids.iter().map(|&i| all[i].clone().with_isa(isa)).collect();
+                let ls: Vec<&Linear> = set.iter().collect();
+                for m in [1, 4, 9] {
+                    let x = xs.narrow(0, 0, m).unwrap();
+                    let got = Linear::forward_many(&ls, &x).unwrap();
+                    assert_eq!(got.len(), ls.len());
+                    for (l, y) in ls.iter().zip(got) {
+                        let want = l.forward(&x).unwrap();
+                        assert_eq!(y.dims(), want.dims());
+                        assert_eq!(bits(&y), bits(&want), "{isa} {ids:?} m {m}");
                     }
                 }
             }

@@ -41,21 +41,70 @@ impl Mlp {
     /// On a shape mismatch.
     pub fn forward_act(&self, xs: &Tensor, act: Activation) -> Result<Tensor> {
         // PyTorch: self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-        let gate = self.gate_proj.forward(xs)?;
-        let gate = match act {
-            Activation::Silu => candle_nn::ops::silu(&gate)?,
+        // gate and up share their input: one pass of the quantized kernels for both.
+        let [gate, up]: [Tensor; 2] = Linear::forward_many(&[&self.gate_proj, &self.up_proj], xs)?
+            .try_into()
+            .expect("invariant: two layers give two outputs");
+        let hidden = match act {
+            Activation::Silu if gate.device().is_cpu() => silu_mul(&gate, &up)?,
+            Activation::Silu => (candle_nn::ops::silu(&gate)? * up)?,
             // candle's `gelu` is the tanh approximation (`gelu_erf` is the exact one).
-            Activation::GeluTanh => gate.gelu()?,
+            Activation::GeluTanh => (gate.gelu()? * up)?,
         };
-        let up = self.up_proj.forward(xs)?;
-        self.down_proj.forward(&(gate * up)?)
+        self.down_proj.forward(&hidden)
     }
+}
+
+/// `silu(gate) * up` on the host in one pass, with candle's f32 operations (`g / (1 + e^-g)`,
+/// then the product), so the same bits as its two ops without their intermediate tensor.
+fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    use rayon::prelude::*;
+    let g: Vec<f32> = gate.flatten_all()?.to_vec1()?;
+    let u: Vec<f32> = up.flatten_all()?.to_vec1()?;
+    let mut out = vec![0f32; g.len()];
+    let f = |(o, (g, u)): (&mut [f32], (&[f32], &[f32]))| {
+        for (o, (&g, &u)) in o.iter_mut().zip(g.iter().zip(u)) {
+            *o = g / (1.0 + (-g).exp()) * u;
+        }
+    };
+    const CHUNK: usize = 1 << 14;
+    match g.len() > CHUNK {
+        true => (out.par_chunks_mut(CHUNK))
+            .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
+            .for_each(f),
+        false => f((&mut out, (&g, &u))),
+    }
+    Ok(Tensor::from_vec(out, gate.shape(), gate.device())?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::{Device, Tensor};
+
+    /// The fused host `silu(gate) * up` gives candle's two ops' bits, below and above the
+    /// parallel chunk size.
+    #[test]
+    fn silu_mul_equals_candles_ops() {
+        for n in [7, 40_000] {
+            let g: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 201) as f32 - 100.0) * 0.173)
+                .collect();
+            let u: Vec<f32> = (0..n)
+                .map(|i| ((i * 11 % 97) as f32 - 48.0) * 0.05)
+                .collect();
+            let g = Tensor::from_vec(g, (1, n), &Device::Cpu).unwrap();
+            let u = Tensor::from_vec(u, (1, n), &Device::Cpu).unwrap();
+            let want = (candle_nn::ops::silu(&g).unwrap() * &u).unwrap();
+            let got = silu_mul(&g, &u).unwrap();
+            let bits = |t: &Tensor| -> Vec<u32> {
+                let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+                v.into_iter().map(f32::to_bits).collect()
+            };
+            assert_eq!(got.dims(), want.dims());
+            assert_eq!(bits(&got), bits(&want), "{n} values");
+        }
+    }
 
     #[test]
     fn gelu_tanh_gate_follows_the_pytorch_formula() {

@@ -29,13 +29,13 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::kquant::{ActRow, QK_K};
-use super::packed::LANES;
+use super::packed::{scatter, LANES};
 use crate::layers::simd::Isa;
 #[cfg(target_arch = "x86_64")]
 use crate::layers::simd::Level;
 
-/// Activation rows per pass over a group's weights.
-const ROWS: usize = 4;
+/// Activation rows per pass over a group's weights (each unpacked weight vector serves them all).
+const ROWS: usize = 8;
 
 /// Stored bytes of a GGUF `Q4_K` super-block.
 const SRC: usize = 144;
@@ -145,16 +145,14 @@ impl KPacked {
     pub(super) fn rows_task(&self, isa: Isa, acts: &[ActRow<'_>], g0: usize, out: &mut [f32]) {
         let m = acts.len();
         let rows_here = out.len() / m;
+        let mut ys = [[0f32; LANES]; ROWS];
         for (gi, out) in out.chunks_mut(LANES * m).enumerate() {
             let group = self.group(g0 + gi);
             let lanes = (rows_here - gi * LANES).min(LANES);
             for (c, a) in acts.chunks(ROWS).enumerate() {
-                let ys = group_dot(isa, group, a);
-                for (r, y) in ys.iter().enumerate().take(a.len()) {
-                    for (j, &v) in y.iter().enumerate().take(lanes) {
-                        out[j * m + c * ROWS + r] = v;
-                    }
-                }
+                let ys = &mut ys[..a.len()];
+                group_dot(isa, group, a, ys);
+                scatter(ys, c * ROWS, m, lanes, out);
             }
         }
     }
@@ -186,7 +184,9 @@ fn weight(blk: &[u8], lane: usize, i: usize) -> i32 {
     (if within < 32 { byte & 0x0F } else { byte >> 4 }) as i32
 }
 
-fn group_dot(isa: Isa, group: &[u8], a: &[ActRow<'_>]) -> [[f32; LANES]; ROWS] {
+/// `ys[r]` = the 16 outputs of one group against activation row `a[r]` (`a.len() == ys.len()
+/// <= ROWS`).
+fn group_dot(isa: Isa, group: &[u8], a: &[ActRow<'_>], ys: &mut [[f32; LANES]]) {
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: an `Isa` token proves its level's features; `group` holds the super-blocks
@@ -194,11 +194,15 @@ fn group_dot(isa: Isa, group: &[u8], a: &[ActRow<'_>]) -> [[f32; LANES]; ROWS] {
         macro_rules! go {
             ($kernel:ident) => {
                 unsafe {
-                    match a {
-                        [a0] => pad(x86::$kernel(group, &[*a0])),
-                        [a0, a1] => pad(x86::$kernel(group, &[*a0, *a1])),
-                        [a0, a1, a2] => pad(x86::$kernel(group, &[*a0, *a1, *a2])),
-                        _ => pad(x86::$kernel(group, &[a[0], a[1], a[2], a[3]])),
+                    match a.len() {
+                        1 => ys.copy_from_slice(&x86::$kernel::<1>(group, a.try_into().unwrap())),
+                        2 => ys.copy_from_slice(&x86::$kernel::<2>(group, a.try_into().unwrap())),
+                        3 => ys.copy_from_slice(&x86::$kernel::<3>(group, a.try_into().unwrap())),
+                        4 => ys.copy_from_slice(&x86::$kernel::<4>(group, a.try_into().unwrap())),
+                        5 => ys.copy_from_slice(&x86::$kernel::<5>(group, a.try_into().unwrap())),
+                        6 => ys.copy_from_slice(&x86::$kernel::<6>(group, a.try_into().unwrap())),
+                        7 => ys.copy_from_slice(&x86::$kernel::<7>(group, a.try_into().unwrap())),
+                        _ => ys.copy_from_slice(&x86::$kernel::<8>(group, a.try_into().unwrap())),
                     }
                 }
             };
@@ -210,19 +214,9 @@ fn group_dot(isa: Isa, group: &[u8], a: &[ActRow<'_>]) -> [[f32; LANES]; ROWS] {
         }
     }
     let _ = isa;
-    let mut ys = [[0f32; LANES]; ROWS];
     for (y, r) in ys.iter_mut().zip(a) {
         *y = scalar(group, *r);
     }
-    ys
-}
-
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn pad<const R: usize>(ys: [[f32; LANES]; R]) -> [[f32; LANES]; ROWS] {
-    let mut out = [[0f32; LANES]; ROWS];
-    out[..R].copy_from_slice(&ys);
-    out
 }
 
 /// The sum of activations of sub-block `sub` (32 values) of super-block `s`.
@@ -358,8 +352,9 @@ mod x86 {
     /// 8 lanes per register (two passes per group). A sub-block's 8 `vpmaddubsw` (4-bit weight
     /// times 8-bit activation pairs, |Σ| ≤ 8 · 2 · 15 · 127 = 30480: no saturation) add up in
     /// 16 bits, then one `vpmaddwd` by the lane's scale widens and scales them; the mins term
-    /// takes two sub-blocks per `vpmaddwd` (|bsum| ≤ 32 · 127 fits 16 bits). The same exact
-    /// integers as the other builds.
+    /// takes two sub-blocks per `vpmaddwd` (|bsum| ≤ 32 · 127 fits 16 bits). Up to 4 rows take
+    /// both sub-blocks of a weight vector at once; 5 to 8 rows one sub-block at a time, so that
+    /// their 16-bit sums fit the 16 registers. The same exact integers as the other builds.
     ///
     /// # Safety
     /// AVX2, FMA and F16C; `group` holds `a[r].d.len()` super-blocks.
@@ -377,30 +372,67 @@ mod x86 {
             for s in 0..nsb {
                 let p = group.as_ptr().add(s * BLOCK);
                 let mut sumi = [_mm256_setzero_si256(); R];
-                for c in 0..4 {
-                    let mut pl = [_mm256_setzero_si256(); R];
-                    let mut ph = [_mm256_setzero_si256(); R];
-                    for t in 0..8 {
-                        let at = AT_Q + (8 * c + t) * 4 * LANES + 32 * h;
-                        let v = _mm256_loadu_si256(p.add(at) as *const __m256i);
-                        let lo = _mm256_and_si256(v, m4);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                        for r in 0..R {
+                if R <= 4 {
+                    // Both sub-blocks of a chunk from one load of the weight vector.
+                    for c in 0..4 {
+                        let mut pl = [_mm256_setzero_si256(); R];
+                        let mut ph = [_mm256_setzero_si256(); R];
+                        for t in 0..8 {
+                            let at = AT_Q + (8 * c + t) * 4 * LANES + 32 * h;
+                            if h == 0 {
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    p.wrapping_add(at + PREFETCH) as *const i8
+                                );
+                            }
+                            let v = _mm256_loadu_si256(p.add(at) as *const __m256i);
+                            let lo = _mm256_and_si256(v, m4);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                             let x = s * QK_K + 64 * c + 4 * t;
-                            let xl = _mm256_set1_epi32(act4(&a[r], x));
-                            let xh = _mm256_set1_epi32(act4(&a[r], x + 32));
-                            pl[r] = _mm256_add_epi16(pl[r], _mm256_maddubs_epi16(lo, xl));
-                            ph[r] = _mm256_add_epi16(ph[r], _mm256_maddubs_epi16(hi, xh));
+                            for r in 0..R {
+                                let xl = _mm256_set1_epi32(act4(&a[r], x));
+                                let xh = _mm256_set1_epi32(act4(&a[r], x + 32));
+                                pl[r] = _mm256_add_epi16(pl[r], _mm256_maddubs_epi16(lo, xl));
+                                ph[r] = _mm256_add_epi16(ph[r], _mm256_maddubs_epi16(hi, xh));
+                            }
+                        }
+                        let scl = pair16(p.add(AT_SC + 2 * c * LANES + 8 * h));
+                        let sch = pair16(p.add(AT_SC + (2 * c + 1) * LANES + 8 * h));
+                        for r in 0..R {
+                            let v = _mm256_add_epi32(
+                                _mm256_madd_epi16(pl[r], scl),
+                                _mm256_madd_epi16(ph[r], sch),
+                            );
+                            sumi[r] = _mm256_add_epi32(sumi[r], v);
                         }
                     }
-                    let scl = pair16(p.add(AT_SC + 2 * c * LANES + 8 * h));
-                    let sch = pair16(p.add(AT_SC + (2 * c + 1) * LANES + 8 * h));
-                    for r in 0..R {
-                        let v = _mm256_add_epi32(
-                            _mm256_madd_epi16(pl[r], scl),
-                            _mm256_madd_epi16(ph[r], sch),
-                        );
-                        sumi[r] = _mm256_add_epi32(sumi[r], v);
+                } else {
+                    // One sub-block at a time (low nibbles of chunk c, then high): up to 8 rows'
+                    // 16-bit sums stay in registers beside the weight vector.
+                    for sub in 0..8 {
+                        let (c, high) = (sub / 2, sub % 2 == 1);
+                        let mut p16 = [_mm256_setzero_si256(); R];
+                        for t in 0..8 {
+                            let at = AT_Q + (8 * c + t) * 4 * LANES + 32 * h;
+                            if h == 0 && !high {
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    p.wrapping_add(at + PREFETCH) as *const i8
+                                );
+                            }
+                            let v = _mm256_loadu_si256(p.add(at) as *const __m256i);
+                            let w = match high {
+                                false => _mm256_and_si256(v, m4),
+                                true => _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                            };
+                            let x = s * QK_K + 32 * sub + 4 * t;
+                            for r in 0..R {
+                                let xa = _mm256_set1_epi32(act4(&a[r], x));
+                                p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(w, xa));
+                            }
+                        }
+                        let sc = pair16(p.add(AT_SC + sub * LANES + 8 * h));
+                        for r in 0..R {
+                            sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p16[r], sc));
+                        }
                     }
                 }
                 let mut summ = [_mm256_setzero_si256(); R];

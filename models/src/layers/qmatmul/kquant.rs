@@ -29,7 +29,7 @@ use crate::layers::simd::Level;
 pub(super) const QK_K: usize = 256;
 
 /// Activation rows per kernel call on the SIMD paths (the weights are unpacked once for them).
-pub(super) const GROUP: usize = 4;
+pub(super) const GROUP: usize = 8;
 
 /// Whether this module's kernels handle weights of `dtype`.
 pub(super) fn supports(dtype: GgmlDType) -> bool {
@@ -135,6 +135,10 @@ pub(super) fn dot_rows(isa: Isa, row: &[u8], acts: &[ActRow<'_>], ys: &mut [f32]
             // SAFETY: lengths asserted above; a non-scalar token proves AVX2, FMA and F16C.
             unsafe {
                 match a.len() {
+                    8 => y.copy_from_slice(&x86::dispatch::<8>(isa, row, a.try_into().unwrap())),
+                    7 => y.copy_from_slice(&x86::dispatch::<7>(isa, row, a.try_into().unwrap())),
+                    6 => y.copy_from_slice(&x86::dispatch::<6>(isa, row, a.try_into().unwrap())),
+                    5 => y.copy_from_slice(&x86::dispatch::<5>(isa, row, a.try_into().unwrap())),
                     4 => y.copy_from_slice(&x86::dispatch::<4>(isa, row, a.try_into().unwrap())),
                     3 => y.copy_from_slice(&x86::dispatch::<3>(isa, row, a.try_into().unwrap())),
                     2 => y.copy_from_slice(&x86::dispatch::<2>(isa, row, a.try_into().unwrap())),

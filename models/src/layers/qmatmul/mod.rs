@@ -11,17 +11,18 @@
 //! - 32-element block types (`Q4_0`, `Q4_1`, `Q5_0`, `Q8_0`): activations in ggml's `Q8_1` (one
 //!   scale per 32 values); the weights are repacked at load ([`QWeight::new`]) so that one SIMD
 //!   lane holds one weight row ([`packed`]): 16 outputs per register, no horizontal sums, and
-//!   the same kernel for one decode row and for groups of 4 activation rows.
+//!   the same kernel for one decode row and for groups of up to 8 activation rows.
 //! - k-quants (`Q4_K`, `Q6_K`): activations in ggml's `q8_K` (one scale per 256 values), integer
 //!   sums across each 256-weight super-block and one float multiply-add per super-block.
 //!   `Q4_K` is repacked at load like the 32-element types ([`kpacked`]); `Q6_K` runs on the
-//!   GGUF layout ([`kquant`]), each super-block unpacked in registers once for 4 rows.
+//!   GGUF layout ([`kquant`]), each super-block unpacked in registers once for up to 8 rows.
 //!
 //! ```text
 //!  W  [n, k] packed / raw GGUF blocks      X  [m, k] f32 -> m rows of 8-bit values + scales
 //!  rayon over tasks of ROWS_PER_TASK weight rows:
-//!    packed types: per group of 16 weight rows, per 4 activation rows: 16 x 4 outputs
-//!    Q6_K:         per group of 4 activation rows, per weight row j: y[g, j]
+//!    packed types: per group of 16 weight rows, per 8 activation rows: 16 x 8 outputs
+//!    Q6_K:         per group of 8 activation rows, per weight row j: y[g, j]
+//!  (several weights on one input, q|k|v or gate|up: one loop over all their tasks)
 //! ```
 //!
 //! Reference: ggml's `vec_dot_q*_q8_*` (`ggml-cpu/arch/x86/quants.c`) and its repacked
@@ -309,45 +310,77 @@ impl Acts {
 /// # Errors
 /// If `xs` is not 2-D or `k` does not match.
 pub fn matmul(isa: Isa, w: &QWeight, xs: &Tensor) -> Result<Tensor> {
-    let (n, k) = w.shape();
-    let (m, xk) = xs.dims2()?;
-    if xk != k {
-        return Err(Error::InvalidRequest {
-            op: "qmatmul",
-            reason: format!(
-                "weight [{n}, {k}] {:?} with input {:?}",
-                w.dtype,
-                xs.shape()
-            ),
-        });
-    }
-    let xs: Vec<f32> = xs.flatten_all()?.to_vec1()?;
-    // out_t[j * m + r] = y[r, j]: each task owns a contiguous range of weight rows.
-    let mut out_t = vec![0f32; n * m];
-    if m > 0 {
-        match &w.inner {
-            Inner::Raw(raw) => {
-                let data = raw.data()?;
-                let row_bytes = k / block_elems(w.dtype) * w.dtype.type_size();
-                matmul_k(isa, &data, row_bytes, &xs, k, &mut out_t);
-            }
-            Inner::Packed(p) => matmul_packed(isa, p, &xs, &mut out_t),
-            Inner::KPacked(p) => {
-                let acts = kquant::Acts::quantize(isa, &xs, k);
-                let rows = acts.rows();
-                let m = rows.len();
-                out_t
-                    .par_chunks_mut(ROWS_PER_TASK * m)
-                    .enumerate()
-                    .for_each(|(t, out)| p.rows_task(isa, &rows, t * ROWS_PER_TASK / LANES, out));
-            }
+    Ok(matmul_many(isa, &[w], xs)?.remove(0))
+}
+
+/// `xs` times each `ws[i]^T` (projections that share an input: q|k|v, gate|up): the
+/// activations are quantized once per kind and one parallel loop runs every weight's tasks, so
+/// a decode step pays one fork-join instead of one per weight. Output `i` is
+/// [`matmul`]`(isa, ws[i], xs)` bit for bit (the same kernels on the same quantized rows).
+///
+/// # Errors
+/// If `xs` is not 2-D or a weight's `k` does not match.
+pub fn matmul_many(isa: Isa, ws: &[&QWeight], xs: &Tensor) -> Result<Vec<Tensor>> {
+    let (m, k) = xs.dims2()?;
+    for w in ws {
+        let (n, wk) = w.shape();
+        if wk != k {
+            return Err(Error::InvalidRequest {
+                op: "qmatmul",
+                reason: format!(
+                    "weight [{n}, {wk}] {:?} with input {:?}",
+                    w.dtype,
+                    xs.shape()
+                ),
+            });
         }
     }
-    let ys = match m {
-        1 => out_t,
-        _ => transpose(&out_t, n, m),
-    };
-    Ok(Tensor::from_vec(ys, (m, n), &Device::Cpu)?)
+    let xs: Vec<f32> = xs.flatten_all()?.to_vec1()?;
+    // outs[i][j * m + r] = y_i[r, j]: each task owns a contiguous range of weight rows.
+    let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; w.shape().0 * m]).collect();
+    if m > 0 {
+        let packed = |w: &&QWeight| matches!(w.inner, Inner::Packed(_));
+        let a32 = ws.iter().any(packed).then(|| Acts::quantize(isa, &xs, k));
+        let ak = (!ws.iter().all(packed)).then(|| kquant::Acts::quantize(isa, &xs, k));
+        let r32 = a32.as_ref().map(Acts::rows).unwrap_or_default();
+        let rk = ak.as_ref().map(kquant::Acts::rows).unwrap_or_default();
+        let raw: Vec<Option<std::borrow::Cow<'_, [u8]>>> = (ws.iter())
+            .map(|w| match &w.inner {
+                Inner::Raw(t) => t.data().map(Some),
+                _ => Ok(None),
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        let mut tasks = Vec::new();
+        for (i, out) in outs.iter_mut().enumerate() {
+            tasks.extend(
+                out.chunks_mut(ROWS_PER_TASK * m)
+                    .enumerate()
+                    .map(|(t, o)| (i, t, o)),
+            );
+        }
+        tasks.into_par_iter().for_each(|(i, t, out)| {
+            let g0 = t * ROWS_PER_TASK / LANES;
+            match (&ws[i].inner, &raw[i]) {
+                (Inner::Packed(p), _) => p.rows_task(isa, &r32, g0, out),
+                (Inner::KPacked(p), _) => p.rows_task(isa, &rk, g0, out),
+                (Inner::Raw(_), Some(data)) => {
+                    let row_bytes = k / block_elems(ws[i].dtype) * ws[i].dtype.type_size();
+                    k_rows_task(isa, data, row_bytes, &rk, t * ROWS_PER_TASK, out);
+                }
+                (Inner::Raw(_), None) => unreachable!("raw weights have their data"),
+            }
+        });
+    }
+    (ws.iter().zip(outs))
+        .map(|(w, out_t)| {
+            let n = w.shape().0;
+            let ys = match m {
+                1 => out_t,
+                _ => transpose(&out_t, n, m),
+            };
+            Ok(Tensor::from_vec(ys, (m, n), &Device::Cpu)?)
+        })
+        .collect()
 }
 
 /// `ys[r * n + j] = out_t[j * m + r]`, rows of `ys` in bands of [`BAND`] (in parallel): a band's
@@ -370,39 +403,26 @@ fn transpose(out_t: &[f32], n: usize, m: usize) -> Vec<f32> {
     ys
 }
 
-/// `Q6_K` ([`kquant`]): `out_t[j * m + r] = y[r, j]`.
-fn matmul_k(isa: Isa, weights: &[u8], row_bytes: usize, xs: &[f32], k: usize, out_t: &mut [f32]) {
-    let acts = kquant::Acts::quantize(isa, xs, k);
-    let rows = acts.rows();
+/// `Q6_K` ([`kquant`]), weight rows `j0..` that `out` covers: `out[(j - j0) * m + r] = y[r, j]`.
+fn k_rows_task(
+    isa: Isa,
+    weights: &[u8],
+    row_bytes: usize,
+    rows: &[kquant::ActRow<'_>],
+    j0: usize,
+    out: &mut [f32],
+) {
     let m = rows.len();
-    out_t
-        .par_chunks_mut(ROWS_PER_TASK * m)
-        .enumerate()
-        .for_each(|(t, out)| {
-            let j0 = t * ROWS_PER_TASK;
-            // Activation groups outside, weight rows inside: a group's activations stay in L1
-            // across the task's weight rows, and those rows stay in L1 across the groups.
-            for (g, a) in rows.chunks(kquant::GROUP).enumerate() {
-                for (jj, ys) in out.chunks_exact_mut(m).enumerate() {
-                    let j = j0 + jj;
-                    let w = &weights[j * row_bytes..(j + 1) * row_bytes];
-                    let ys = &mut ys[g * kquant::GROUP..][..a.len()];
-                    kquant::dot_rows(isa, w, a, ys);
-                }
-            }
-        });
-}
-
-/// The 32-element block types ([`packed`]): `out_t[j * m + r] = y[r, j]`.
-fn matmul_packed(isa: Isa, w: &Packed, xs: &[f32], out_t: &mut [f32]) {
-    let k = w.cols();
-    let acts = Acts::quantize(isa, xs, k);
-    let rows = acts.rows();
-    let m = rows.len();
-    out_t
-        .par_chunks_mut(ROWS_PER_TASK * m)
-        .enumerate()
-        .for_each(|(t, out)| w.rows_task(isa, &rows, t * ROWS_PER_TASK / LANES, out));
+    // Activation groups outside, weight rows inside: a group's activations stay in L1 across
+    // the task's weight rows, and those rows stay in L1 across the groups.
+    for (g, a) in rows.chunks(kquant::GROUP).enumerate() {
+        for (jj, ys) in out.chunks_exact_mut(m).enumerate() {
+            let j = j0 + jj;
+            let w = &weights[j * row_bytes..(j + 1) * row_bytes];
+            let ys = &mut ys[g * kquant::GROUP..][..a.len()];
+            kquant::dot_rows(isa, w, a, ys);
+        }
+    }
 }
 
 #[cfg(test)]

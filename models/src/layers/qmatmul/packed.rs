@@ -42,8 +42,9 @@ pub(super) const LANES: usize = 16;
 /// Elements per block.
 pub(super) const QK: usize = 32;
 
-/// Activation rows per pass over a group's weights.
-const ROWS: usize = 4;
+/// Activation rows per pass over a group's weights: each unpacked weight vector serves up to 8
+/// rows (a verify window of 8 reads the weights once).
+const ROWS: usize = 8;
 
 /// Whether [`Packed::new`] takes this type.
 pub(super) fn supports(dtype: GgmlDType) -> bool {
@@ -66,32 +67,49 @@ struct Format {
     min_factor: f32,
 }
 
+/// The formats of `Q4_0`, `Q4_1`, `Q5_0`, `Q8_0`, in that order: the SIMD kernels take the
+/// index as a const parameter, so each type's branches and block size fold away.
+const FORMATS: [Format; 4] = [
+    Format::new(true, false, false, -8.0),
+    Format::new(true, false, true, 0.0),
+    Format::new(false, false, false, -16.0),
+    Format::new(false, true, false, 0.0),
+];
+
 impl Format {
-    fn of(dtype: GgmlDType) -> Format {
-        let f = |nibbles, signed, stored_min, min_factor| Format {
+    const fn new(nibbles: bool, signed: bool, stored_min: bool, min_factor: f32) -> Format {
+        Format {
             nibbles,
             signed,
             stored_min,
             min_factor,
-        };
-        match dtype {
-            GgmlDType::Q4_0 => f(true, false, false, -8.0),
-            GgmlDType::Q4_1 => f(true, false, true, 0.0),
-            GgmlDType::Q5_0 => f(false, false, false, -16.0),
-            _ => f(false, true, false, 0.0),
         }
     }
 
-    fn has_min(self) -> bool {
+    /// The index of `dtype`'s format in [`FORMATS`].
+    fn kind(dtype: GgmlDType) -> usize {
+        match dtype {
+            GgmlDType::Q4_0 => 0,
+            GgmlDType::Q4_1 => 1,
+            GgmlDType::Q5_0 => 2,
+            _ => 3,
+        }
+    }
+
+    fn of(dtype: GgmlDType) -> Format {
+        FORMATS[Self::kind(dtype)]
+    }
+
+    const fn has_min(self) -> bool {
         self.stored_min || self.min_factor != 0.0
     }
 
     /// Offset of the data in a packed block.
-    fn data_at(self) -> usize {
+    const fn data_at(self) -> usize {
         2 * LANES * (1 + self.stored_min as usize)
     }
 
-    fn chunks(self) -> usize {
+    const fn chunks(self) -> usize {
         if self.nibbles {
             4
         } else {
@@ -99,7 +117,7 @@ impl Format {
         }
     }
 
-    fn block_bytes(self) -> usize {
+    const fn block_bytes(self) -> usize {
         self.data_at() + self.chunks() * 4 * LANES
     }
 }
@@ -108,6 +126,8 @@ impl Format {
 /// rows past `n` in the last group are zero.
 pub(super) struct Packed {
     format: Format,
+    /// `format`'s index in [`FORMATS`].
+    kind: usize,
     n: usize,
     k: usize,
     data: Vec<u8>,
@@ -170,7 +190,13 @@ impl Packed {
                     }
                 }
             });
-        Packed { format, n, k, data }
+        Packed {
+            format,
+            kind: Format::kind(dtype),
+            n,
+            k,
+            data,
+        }
     }
 
     /// The weight made of rows `ids` (row `i` is row `ids[i]`, bit for bit: lanes are copied).
@@ -191,6 +217,7 @@ impl Packed {
         );
         Packed {
             format: f,
+            kind: self.kind,
             n: ids.len(),
             k: self.k,
             data,
@@ -236,37 +263,86 @@ impl Packed {
     pub(super) fn rows_task(&self, isa: Isa, acts: &[ActRow<'_>], g0: usize, out: &mut [f32]) {
         let m = acts.len();
         let rows_here = out.len() / m;
+        let mut ys = [[0f32; LANES]; ROWS];
         for (gi, out) in out.chunks_mut(LANES * m).enumerate() {
             let group = self.group(g0 + gi);
             let lanes = (rows_here - gi * LANES).min(LANES);
             for (c, a) in acts.chunks(ROWS).enumerate() {
-                let ys = group_dot(isa, self.format, group, a);
-                for (r, y) in ys.iter().enumerate().take(a.len()) {
-                    for (j, &v) in y.iter().enumerate().take(lanes) {
-                        out[j * m + c * ROWS + r] = v;
-                    }
-                }
+                let ys = &mut ys[..a.len()];
+                group_dot(isa, self.format, self.kind, group, a, ys);
+                scatter(ys, c * ROWS, m, lanes, out);
             }
         }
     }
 }
 
-/// The 16 outputs of one group against up to [`ROWS`] activation rows (rows past `a.len()`
-/// are zero).
-fn group_dot(isa: Isa, f: Format, group: &[u8], a: &[ActRow<'_>]) -> [[f32; LANES]; ROWS] {
+/// `out[j * m + r0 + r] = ys[r][j]` for the first `lanes` lanes (one decode row: a copy).
+#[inline(always)]
+pub(super) fn scatter(ys: &[[f32; LANES]], r0: usize, m: usize, lanes: usize, out: &mut [f32]) {
+    if m == 1 {
+        out[..lanes].copy_from_slice(&ys[0][..lanes]);
+        return;
+    }
+    for (r, y) in ys.iter().enumerate() {
+        for (j, &v) in y[..lanes].iter().enumerate() {
+            out[j * m + r0 + r] = v;
+        }
+    }
+}
+
+/// `ys[r]` = the 16 outputs of one group against activation row `a[r]` (`a.len() == ys.len()
+/// <= ROWS`); `kind` is `f`'s index in [`FORMATS`].
+fn group_dot(
+    isa: Isa,
+    f: Format,
+    kind: usize,
+    group: &[u8],
+    a: &[ActRow<'_>],
+    ys: &mut [[f32; LANES]],
+) {
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: an `Isa` token proves its level's features; `group` holds the blocks of the
         // rows' width (the caller checked `k`).
+        macro_rules! rows {
+            ($kernel:ident, $k:literal) => {
+                unsafe {
+                    match a.len() {
+                        1 => {
+                            ys.copy_from_slice(&x86::$kernel::<1, $k>(group, a.try_into().unwrap()))
+                        }
+                        2 => {
+                            ys.copy_from_slice(&x86::$kernel::<2, $k>(group, a.try_into().unwrap()))
+                        }
+                        3 => {
+                            ys.copy_from_slice(&x86::$kernel::<3, $k>(group, a.try_into().unwrap()))
+                        }
+                        4 => {
+                            ys.copy_from_slice(&x86::$kernel::<4, $k>(group, a.try_into().unwrap()))
+                        }
+                        5 => {
+                            ys.copy_from_slice(&x86::$kernel::<5, $k>(group, a.try_into().unwrap()))
+                        }
+                        6 => {
+                            ys.copy_from_slice(&x86::$kernel::<6, $k>(group, a.try_into().unwrap()))
+                        }
+                        7 => {
+                            ys.copy_from_slice(&x86::$kernel::<7, $k>(group, a.try_into().unwrap()))
+                        }
+                        _ => {
+                            ys.copy_from_slice(&x86::$kernel::<8, $k>(group, a.try_into().unwrap()))
+                        }
+                    }
+                }
+            };
+        }
         macro_rules! go {
             ($kernel:ident) => {
-                unsafe {
-                    match a {
-                        [a0] => pad(x86::$kernel(f, group, &[*a0])),
-                        [a0, a1] => pad(x86::$kernel(f, group, &[*a0, *a1])),
-                        [a0, a1, a2] => pad(x86::$kernel(f, group, &[*a0, *a1, *a2])),
-                        _ => pad(x86::$kernel(f, group, &[a[0], a[1], a[2], a[3]])),
-                    }
+                match kind {
+                    0 => rows!($kernel, 0),
+                    1 => rows!($kernel, 1),
+                    2 => rows!($kernel, 2),
+                    _ => rows!($kernel, 3),
                 }
             };
         }
@@ -276,21 +352,10 @@ fn group_dot(isa: Isa, f: Format, group: &[u8], a: &[ActRow<'_>]) -> [[f32; LANE
             Level::Scalar => {}
         }
     }
-    let _ = isa;
-    let mut ys = [[0f32; LANES]; ROWS];
+    let _ = (isa, kind);
     for (y, r) in ys.iter_mut().zip(a) {
         *y = scalar(f, group, *r);
     }
-    ys
-}
-
-/// `R` rows of outputs widened to [`ROWS`].
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn pad<const R: usize>(ys: [[f32; LANES]; R]) -> [[f32; LANES]; ROWS] {
-    let mut out = [[0f32; LANES]; ROWS];
-    out[..R].copy_from_slice(&ys);
-    out
 }
 
 /// Element `i` of lane `j` in a packed block's `data`.
@@ -339,7 +404,7 @@ fn scalar(f: Format, group: &[u8], a: ActRow<'_>) -> [f32; LANES] {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{ActRow, Format, LANES, QK};
+    use super::{ActRow, FORMATS, LANES, QK};
     use std::arch::x86_64::*;
 
     /// Bytes of the weight stream requested ahead of the block being read.
@@ -356,12 +421,12 @@ mod x86 {
     /// # Safety
     /// AVX-512F/BW/VL/VNNI, AVX2, FMA and F16C; `group` holds `a[r].d.len()` blocks of `f`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn avx512<const R: usize>(
-        f: Format,
+    pub(super) unsafe fn avx512<const R: usize, const K: usize>(
         group: &[u8],
         a: &[ActRow<'_>; R],
     ) -> [[f32; LANES]; R] {
-        let bb = f.block_bytes();
+        let f = const { FORMATS[K] };
+        let bb = const { FORMATS[K].block_bytes() };
         let nb = a[0].d.len();
         let m4 = _mm512_set1_epi8(0x0F);
         let mut acc = [_mm512_setzero_ps(); R];
@@ -428,12 +493,12 @@ mod x86 {
     /// # Safety
     /// AVX2, FMA and F16C; `group` holds `a[r].d.len()` blocks of `f`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn avx2<const R: usize>(
-        f: Format,
+    pub(super) unsafe fn avx2<const R: usize, const K: usize>(
         group: &[u8],
         a: &[ActRow<'_>; R],
     ) -> [[f32; LANES]; R] {
-        let bb = f.block_bytes();
+        let f = const { FORMATS[K] };
+        let bb = const { FORMATS[K].block_bytes() };
         let nb = a[0].d.len();
         let m4 = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
@@ -443,8 +508,11 @@ mod x86 {
             let mut accm = [_mm256_setzero_ps(); R];
             for b in 0..nb {
                 let p = group.as_ptr().add(b * bb);
-                for line in (0..bb).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH + line) as *const i8);
+                // The second pass reads the lines the first one brought in.
+                if h == 0 {
+                    for line in (0..bb).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH + line) as *const i8);
+                    }
                 }
                 let q = p.add(f.data_at() + 32 * h);
                 let mut isum = [_mm256_setzero_si256(); R];

@@ -129,7 +129,7 @@ fn rows_do_not_depend_on_row_count() {
         for isa in Isa::available() {
             let alone = |r: usize| bits(isa, &q, &xs.narrow(0, r, 1).unwrap()).remove(0);
             let first: Vec<Vec<u32>> = (0..100).map(alone).collect();
-            for m in [2, 3, 4, 5, 7, 16, 17, 33, 100, 512] {
+            for m in [2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 33, 100, 512] {
                 let ys = bits(isa, &q, &xs.narrow(0, 0, m).unwrap());
                 for (r, y) in ys.iter().enumerate() {
                     let want = match r {
