@@ -78,8 +78,30 @@ fn batch_on(
     config: EngineConfig,
     reqs: &[GenerationRequest],
 ) -> Vec<Generation> {
+    run_all(&mut counted_core(loaded, slot, config).0, reqs)
+}
+
+/// A core over `loaded` drafting through `slot`, publishing into the counters returned.
+fn counted_core<'a>(
+    loaded: &'a LoadedModel,
+    slot: &'a ProposerSlot,
+    config: EngineConfig,
+) -> (Core<'a>, Arc<Counters>) {
+    let counters = Arc::new(Counters::default());
+    let core = Core::with_counters(
+        &loaded.model,
+        &loaded.tokenizer,
+        slot,
+        config,
+        counters.clone(),
+    )
+    .expect("core");
+    (core, counters)
+}
+
+/// Admits every request of `reqs` to `core` at once and steps until all are done.
+fn run_all(core: &mut Core<'_>, reqs: &[GenerationRequest]) -> Vec<Generation> {
     let results: Results = Arc::new(Mutex::new(vec![None; reqs.len()]));
-    let mut core = Core::new(&loaded.model, &loaded.tokenizer, slot, config).expect("core");
     for (i, req) in reqs.iter().enumerate() {
         let sink = Keep {
             results: results.clone(),
@@ -93,12 +115,16 @@ fn batch_on(
         steps += 1;
         assert!(steps < 100_000, "the batch does not finish");
     }
-    drop(core);
     let results = results.lock().unwrap();
     results
         .iter()
         .map(|r| r.clone().expect("reported").expect("generated"))
         .collect()
+}
+
+/// Runs `req` alone on `core`.
+fn run_one(core: &mut Core<'_>, req: GenerationRequest) -> Generation {
+    run_all(core, &[req]).remove(0)
 }
 
 fn solo_plain(loaded: &LoadedModel, req: &GenerationRequest) -> Vec<u32> {
@@ -396,7 +422,6 @@ fn distinct_prompts_do_not_grow_the_pool_past_its_prefix_cache_budget() {
     let budget_blocks = (1 << 20) / block_bytes;
     let rounds = budget_blocks + 16;
     for mib in [0, 1] {
-        let counters = Arc::new(Counters::default());
         let config = EngineConfig {
             max_running: 2,
             max_batch_tokens: 64,
@@ -407,14 +432,7 @@ fn distinct_prompts_do_not_grow_the_pool_past_its_prefix_cache_budget() {
             ..EngineConfig::default()
         };
         let slot = ProposerSlot::new(None);
-        let mut core = Core::with_counters(
-            &loaded.model,
-            &loaded.tokenizer,
-            &slot,
-            config,
-            counters.clone(),
-        )
-        .expect("core");
+        let (mut core, counters) = counted_core(&loaded, &slot, config);
         let results: Results = Arc::new(Mutex::new(vec![None; 2]));
         // Distinct first blocks: n's digits in base 50 lead.
         let prompt = |n: usize| -> Vec<u32> {
@@ -451,19 +469,8 @@ fn distinct_prompts_do_not_grow_the_pool_past_its_prefix_cache_budget() {
         // Distinct prompts made more cached blocks than the budget keeps: the bound was exercised.
         assert!(2 * rounds > mib * budget_blocks);
         let before = counters.snapshot().prefix_hit_tokens;
-        let sink = Keep {
-            results: results.clone(),
-            i: 0,
-        };
         let last = prompt(2 * rounds - 1);
-        core.admit(
-            request(u64::MAX, &last, 4, Speculation::Off),
-            Box::new(sink),
-        )
-        .expect("admitted");
-        while core.has_work() {
-            core.step().expect("step");
-        }
+        run_one(&mut core, request(u64::MAX, &last, 4, Speculation::Off));
         let hit = counters.snapshot().prefix_hit_tokens - before;
         assert_eq!(
             hit,
@@ -499,16 +506,8 @@ fn streams_at_the_whole_context_stay_within_the_pool() {
         })
         .collect();
     let results: Results = Arc::new(Mutex::new(vec![None; reqs.len()]));
-    let counters = Arc::new(Counters::default());
     let slot = ProposerSlot::new(None);
-    let mut core = Core::with_counters(
-        &loaded.model,
-        &loaded.tokenizer,
-        &slot,
-        config,
-        counters.clone(),
-    )
-    .expect("core");
+    let (mut core, counters) = counted_core(&loaded, &slot, config);
     let mut accepted = Vec::new();
     for (i, req) in reqs.iter().enumerate() {
         let sink = Keep {
@@ -648,39 +647,18 @@ fn a_second_turn_reuses_the_first_turns_blocks_and_changes_nothing() {
     let (_dir, loaded) = tiny_loaded("llama", 11);
     let turn1: Vec<u32> = (0..40u32).map(|i| 3 + (i * 7) % 50).collect();
     let slot = ProposerSlot::new(None);
-    let counters = Arc::new(target_host::engine::Counters::default());
     let config = EngineConfig {
         profile: false,
         ..EngineConfig::default()
     };
-    let mut core = Core::with_counters(
-        &loaded.model,
-        &loaded.tokenizer,
-        &slot,
-        config,
-        counters.clone(),
-    )
-    .expect("core");
-    let run = |core: &mut Core<'_>, req: GenerationRequest| {
-        let results: Results = Arc::new(Mutex::new(vec![None]));
-        let sink = Keep {
-            results: results.clone(),
-            i: 0,
-        };
-        core.admit(req, Box::new(sink)).expect("admitted");
-        while core.has_work() {
-            core.step().expect("step");
-        }
-        let out = results.lock().unwrap()[0].clone();
-        out.expect("reported").expect("generated")
-    };
-    let first = run(&mut core, request(1, &turn1, 8, Speculation::Off));
+    let (mut core, counters) = counted_core(&loaded, &slot, config);
+    let first = run_one(&mut core, request(1, &turn1, 8, Speculation::Off));
     assert_eq!(counters.snapshot().prefix_hit_tokens, 0);
     let mut turn2 = turn1.clone();
     turn2.extend(&first.token_ids);
     turn2.extend([9, 10, 11]);
     let req2 = request(2, &turn2, 8, Speculation::Off);
-    let second = run(&mut core, req2.clone());
+    let second = run_one(&mut core, req2.clone());
     let hits = counters.snapshot().prefix_hit_tokens;
     assert!(hits >= 32, "the first turn's full block was reused: {hits}");
     assert_eq!(second.token_ids, solo_plain(&loaded, &req2));
@@ -988,39 +966,18 @@ fn a_tap_drafters_second_turn_adopts_cached_blocks_with_their_taps() {
     };
     let (proposer, client) = observed_drafter(&loaded, &args, config);
     let slot = ProposerSlot::new(Some(proposer));
-    let counters = Arc::new(target_host::engine::Counters::default());
-    let mut core = Core::with_counters(
-        &loaded.model,
-        &loaded.tokenizer,
-        &slot,
-        slow_drafts(),
-        counters.clone(),
-    )
-    .expect("core");
-    let run = |core: &mut Core<'_>, req: GenerationRequest| {
-        let results: Results = Arc::new(Mutex::new(vec![None]));
-        let sink = Keep {
-            results: results.clone(),
-            i: 0,
-        };
-        core.admit(req, Box::new(sink)).expect("admitted");
-        while core.has_work() {
-            core.step().expect("step");
-        }
-        let out = results.lock().unwrap()[0].clone();
-        out.expect("reported").expect("generated")
-    };
+    let (mut core, counters) = counted_core(&loaded, &slot, slow_drafts());
     let turn1: Vec<u32> = (0..70u32).map(|i| 100 + (i * 37) % 900).collect();
     let spec = Speculation::On {
         num_draft_tokens: 2,
     };
-    let first = run(&mut core, request(1, &turn1, 8, spec));
+    let first = run_one(&mut core, request(1, &turn1, 8, spec));
     assert_eq!(counters.snapshot().prefix_hit_tokens, 0);
     let mut turn2 = turn1.clone();
     turn2.extend(&first.token_ids);
     turn2.extend([200, 201, 202]);
     let req2 = request(2, &turn2, 8, spec);
-    let second = run(&mut core, req2.clone());
+    let second = run_one(&mut core, req2.clone());
     let hits = counters.snapshot().prefix_hit_tokens;
     assert_eq!(hits, 64, "the first turn's two full blocks were adopted");
     drop(core);
