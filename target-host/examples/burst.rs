@@ -8,10 +8,10 @@
 //! |---|---|
 //! | `floor` | one step with all N prompts admitted and a budget that holds all their rows: one forward over every prompt row (no scheduler can give the last stream its first token sooner without sharing rows) |
 //! | `dedup floor` | one forward over the rows left when the prompts' common prefix runs once (a single prompt of that many rows): the floor with perfect prefix sharing |
-//! | `engine` | the engine as configured (`--max-batch-tokens`): the time until the last of the N has its first token, and the steps it took |
+//! | `engine` | the engine as configured (`--max-batch-tokens`), without and with in-flight prefix dedup (a prompt waits for the blocks an earlier one is computing and adopts them): the time until the last of the N has its first token, and the steps it took |
 //!
 //! each against the same measurement for one prompt alone. The prefix cache is off, so every
-//! repetition computes every row.
+//! repetition starts cold (dedup shares blocks only while their writer holds them).
 //!
 //! ```sh
 //! cargo run --release -p target-host --example burst -- --model models/cache/smollm2-135m.gguf --streams 8
@@ -120,11 +120,17 @@ fn unique_rows(prompts: &[Vec<u32>]) -> usize {
 }
 
 /// Admits `prompts` together and steps until each has its first token: (ms, steps).
-fn burst(loaded: &LoadedModel, prompts: &[Vec<u32>], batch_tokens: usize) -> Result<(f64, usize)> {
+fn burst(
+    loaded: &LoadedModel,
+    prompts: &[Vec<u32>],
+    batch_tokens: usize,
+    prefix_dedup: bool,
+) -> Result<(f64, usize)> {
     let config = EngineConfig {
         max_running: prompts.len(),
         max_batch_tokens: batch_tokens.max(prompts.len()),
         prefix_cache_mib: 0,
+        prefix_dedup,
         profile: false,
         ..EngineConfig::default()
     };
@@ -172,12 +178,13 @@ fn timed(
     loaded: &LoadedModel,
     prompts: &[Vec<u32>],
     batch: usize,
+    prefix_dedup: bool,
     reps: usize,
 ) -> Result<(f64, usize)> {
     let mut times = Vec::new();
     let mut steps = 0;
     for _ in 0..reps {
-        let (ms, s) = burst(loaded, prompts, batch)?;
+        let (ms, s) = burst(loaded, prompts, batch, prefix_dedup)?;
         times.push(ms);
         steps = s;
     }
@@ -192,12 +199,13 @@ fn main() -> Result<()> {
     let rows: usize = all.iter().map(Vec::len).sum();
     let unique = unique_rows(&all);
     // Warm-up: first allocations and page faults.
-    burst(&loaded, &all, rows)?;
-    let (alone, _) = timed(&loaded, one, rows, a.reps)?;
-    let (floor, _) = timed(&loaded, &all, rows, a.reps)?;
+    burst(&loaded, &all, rows, false)?;
+    let (alone, _) = timed(&loaded, one, rows, false, a.reps)?;
+    let (floor, _) = timed(&loaded, &all, rows, false, a.reps)?;
     let synthetic: Vec<u32> = all.iter().flatten().copied().take(unique).collect();
-    let (dedup, _) = timed(&loaded, &[synthetic], rows, a.reps)?;
-    let (engine, steps) = timed(&loaded, &all, a.batch_tokens, a.reps)?;
+    let (dedup, _) = timed(&loaded, &[synthetic], rows, false, a.reps)?;
+    let (plain, plain_steps) = timed(&loaded, &all, a.batch_tokens, false, a.reps)?;
+    let (engine, steps) = timed(&loaded, &all, a.batch_tokens, true, a.reps)?;
     println!(
         "# burst: {}, {} prompts of {} rows in all ({} after their common prefixes; one alone: {} rows), medians of {}",
         loaded.model.weights_path().display(),
@@ -219,7 +227,12 @@ fn main() -> Result<()> {
         dedup / alone
     );
     println!(
-        "| engine, --max-batch-tokens {} | {engine:.1} | {:.2} | {steps} |",
+        "| engine, --max-batch-tokens {} --no-prefix-dedup | {plain:.1} | {:.2} | {plain_steps} |",
+        a.batch_tokens,
+        plain / alone
+    );
+    println!(
+        "| engine, --max-batch-tokens {} (in-flight prefix dedup) | {engine:.1} | {:.2} | {steps} |",
         a.batch_tokens,
         engine / alone
     );

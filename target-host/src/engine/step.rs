@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{Tensor, D};
-use specula_models::kv_pool::{chain_keys, BLOCK_SIZE};
+use specula_models::kv_pool::{chain_keys, BlockKey, BLOCK_SIZE};
 use specula_models::tokenizer::Tokenizer;
 use specula_models::Model;
 use tracing::warn;
@@ -46,6 +46,13 @@ struct Live<'a> {
     seq: Sequence<'a>,
     /// KV positions reserved at admission.
     need: usize,
+    /// The prefix keys of the prompt's full blocks (all but its last id).
+    keys: Vec<BlockKey>,
+    /// Whether it has K/V in the pool yet: an admitted sequence waits outside it while an
+    /// earlier one computes blocks of its prompt (see [`Core::place`]).
+    placed: bool,
+    /// Whether it waited so.
+    waited: bool,
     acceptance: Acceptance,
     /// Taps of the prompt so far, for the drafter's `Open`.
     prompt_taps: Option<TapRows>,
@@ -190,6 +197,7 @@ impl<'a> Core<'a> {
         if !parts.is_empty() {
             forward_ms = self.run(parts, draft_ms);
         }
+        self.place();
         self.reap();
         self.publish();
         let step_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -201,44 +209,82 @@ impl<'a> Core<'a> {
         for seq in self.sched.drop_waiting(Sequence::is_closed) {
             seq.report(None);
         }
-        for (mut seq, need) in self.sched.admit() {
-            // A prefix-cache hit skips the shared prefill, and with it the taps of those
-            // positions: a sequence feeding a tap drafter adopts only the cached blocks whose
-            // taps the host kept (see `tap_cache`), and its `Open` carries them.
-            let taps_needed =
-                seq.req.speculation != Speculation::Off && !self.drafting.wants().is_empty();
-            let prompt = &seq.context[..seq.context.len() - 1];
-            let (reuse, keys) = match taps_needed {
-                false => (prompt, Vec::new()),
-                true => {
-                    let keys = chain_keys(prompt);
-                    let n = self.tap_cache.leading(&keys);
-                    (&prompt[..n * BLOCK_SIZE], keys)
-                }
-            };
-            let created = self.target.create(seq.session(), reuse);
-            let mut prompt_taps = None;
-            if let Ok(hit) = created {
-                if taps_needed && hit > 0 {
-                    prompt_taps = self.tap_cache.prefix(&keys[..hit / BLOCK_SIZE]);
-                }
-            }
-            match created {
-                Ok(hit) => seq.computed = hit,
-                Err(e) => {
-                    self.target.release(seq.session());
-                    self.sched.release(need);
-                    seq.report(Some(format!("{e:#}")));
-                    continue;
-                }
-            }
+        for (seq, need) in self.sched.admit() {
+            let keys = chain_keys(&seq.context[..seq.context.len() - 1]);
             self.live.push(Live {
                 seq,
                 need,
+                keys,
+                placed: false,
+                waited: false,
                 acceptance: Acceptance::default(),
-                prompt_taps,
+                prompt_taps: None,
                 error: None,
             });
+        }
+        self.place();
+    }
+
+    /// Gives every admitted sequence not yet in the pool its K/V there, adopting the longest
+    /// cached prefix of its prompt — unless an earlier sequence is still computing blocks
+    /// that prompt starts with (in-flight prefix sharing, SGLang's radix-cache behaviour for
+    /// a burst): then it waits, and adopts them from the index once they are written (a
+    /// chunk's full blocks are indexed right after its forward, and waiting sequences are
+    /// placed again then, before the writer can finish and release them), so a common prefix
+    /// of prompts arriving together is computed once.
+    fn place(&mut self) {
+        for i in 0..self.live.len() {
+            let l = &self.live[i];
+            if l.placed || l.seq.finish().is_some() || l.error.is_some() {
+                continue;
+            }
+            if self.config.prefix_dedup && self.shares_in_flight(i) {
+                if !std::mem::replace(&mut self.live[i].waited, true) {
+                    self.counters.shared_wait();
+                }
+                continue;
+            }
+            self.create(i);
+        }
+    }
+
+    /// Whether an earlier placed sequence still prefilling will compute full blocks that
+    /// `live[i]`'s prompt starts with. Sequences only ever wait for earlier ones, and those
+    /// prefill first (oldest first), so every wait ends.
+    fn shares_in_flight(&self, i: usize) -> bool {
+        let keys = &self.live[i].keys;
+        self.live[..i].iter().any(|p| {
+            let prefilling =
+                p.placed && !p.seq.is_running() && p.seq.finish().is_none() && p.error.is_none();
+            let shared = keys.iter().zip(&p.keys).take_while(|(a, b)| a == b).count();
+            prefilling && shared * BLOCK_SIZE > p.seq.computed
+        })
+    }
+
+    /// Creates `live[i]` in the pool (see [`Core::place`]).
+    fn create(&mut self, i: usize) {
+        let live = &mut self.live[i];
+        let seq = &mut live.seq;
+        // A prefix-cache hit skips the shared prefill, and with it the taps of those
+        // positions: a sequence feeding a tap drafter adopts only the cached blocks whose
+        // taps the host kept (see `tap_cache`), and its `Open` carries them.
+        let taps_needed =
+            seq.req.speculation != Speculation::Off && !self.drafting.wants().is_empty();
+        let prompt = &seq.context[..seq.context.len() - 1];
+        let reuse = match taps_needed {
+            false => prompt,
+            true => &prompt[..self.tap_cache.leading(&live.keys) * BLOCK_SIZE],
+        };
+        live.placed = true;
+        match self.target.create(seq.session(), reuse) {
+            Ok(hit) => {
+                seq.computed = hit;
+                if taps_needed && hit > 0 {
+                    live.prompt_taps = self.tap_cache.prefix(&live.keys[..hit / BLOCK_SIZE]);
+                }
+            }
+            // Reaped (its reservation released, its error reported) after this step.
+            Err(e) => live.error = Some(format!("{e:#}")),
         }
     }
 
@@ -248,7 +294,7 @@ impl<'a> Core<'a> {
         let limits = self.sched.limits();
         let (mut decode, mut prefill) = (Vec::new(), Vec::new());
         for (at, live) in self.live.iter_mut().enumerate() {
-            if live.seq.finish().is_some() || live.error.is_some() {
+            if !live.placed || live.seq.finish().is_some() || live.error.is_some() {
                 continue;
             }
             match live.seq.is_running() {
