@@ -308,20 +308,23 @@ fn the_host_cuts_unconfident_drafts_under_the_controller_and_never_under_a_fixed
 }
 
 /// Prompts arriving together that start with a block no cache holds yet: the first computes
-/// it once, the others wait for it and adopt it (in-flight prefix sharing), so the burst's
-/// forwards run the shared rows once — and every output is still its solo plain output,
-/// whole prompts in one step or chunked through a tight budget, with drafting beside.
+/// it once, the others wait for it and adopt it (in-flight prefix sharing; a repeated prompt
+/// forks all of it), so the burst's forwards run the shared rows once — and every output is
+/// still its solo plain output, whole prompts in one step or chunked through a tight budget,
+/// with drafting beside.
 #[test]
 fn a_bursts_shared_prefix_is_computed_once_and_changes_nothing() {
     let (_dir, loaded) = tiny_loaded("qwen2", 3);
     let vocab = loaded.model.config().vocab_size;
     let common: Vec<u32> = (0..32u32).map(|i| 3 + (i * 11) % 50).collect();
-    let prompts: Vec<Vec<u32>> = (0..3u32)
+    let mut prompts: Vec<Vec<u32>> = (0..3u32)
         .map(|i| {
             let tail = (0..5).map(|j| 4 + (i * 7 + j * 3) % 40);
             common.iter().copied().chain(tail).collect()
         })
         .collect();
+    // A repeat of the first (a retry, or `n` > 1): it forks all but its last id.
+    prompts.push(prompts[0].clone());
     let reqs = |max_tokens: usize| -> Vec<GenerationRequest> {
         let specs = [
             Speculation::Off,
@@ -332,8 +335,8 @@ fn a_bursts_shared_prefix_is_computed_once_and_changes_nothing() {
                 max_draft_tokens: 3,
             },
         ];
-        (0..3)
-            .map(|i| request(i as u64 + 1, &prompts[i], max_tokens, specs[i]))
+        (0..4)
+            .map(|i| request(i as u64 + 1, &prompts[i], max_tokens, specs[i % 3]))
             .collect()
     };
     let untimed = EngineConfig {
@@ -352,23 +355,25 @@ fn a_bursts_shared_prefix_is_computed_once_and_changes_nothing() {
         counters.snapshot()
     };
     let each = burst(false);
-    assert_eq!((each.batch_rows, each.steps), (3 * 37, 1), "{each:?}");
+    assert_eq!((each.batch_rows, each.steps), (4 * 37, 1), "{each:?}");
     assert_eq!(each.shared_waits, 0);
     let shared = burst(true);
     assert_eq!(
         shared.batch_rows,
-        37 + 2 * 5,
-        "the common block ran once: {shared:?}"
+        37 + 2 * 5 + 1,
+        "the common block ran once, the repeat's prompt too: {shared:?}"
     );
-    assert_eq!(shared.prefix_hit_tokens, 2 * 32);
-    assert_eq!((shared.shared_waits, shared.steps), (2, 2));
+    assert_eq!(shared.prefix_hit_tokens, 2 * 32, "two adopted the block");
+    assert_eq!((shared.shared_waits, shared.steps), (3, 2));
     let reqs = reqs(12);
     let solo: Vec<Vec<u32>> = reqs.iter().map(|r| solo_plain(&loaded, r)).collect();
-    for config in [untimed, tight()] {
+    // Three run at once in the tight budget: the repeat starts after the first is done, from
+    // the cache.
+    for (config, waits) in [(untimed, 3), (tight(), 2)] {
         let slot = ProposerSlot::new(Some(Box::new(BadProposer::new(vocab, false, 5))));
         let (mut core, counters) = counted_core(&loaded, &slot, config.clone());
         let got = run_all(&mut core, &reqs);
-        assert_eq!(counters.snapshot().shared_waits, 2, "{config:?}");
+        assert_eq!(counters.snapshot().shared_waits, waits, "{config:?}");
         for (i, g) in got.iter().enumerate() {
             assert_eq!(g.token_ids, solo[i], "request {i}, {config:?}");
         }

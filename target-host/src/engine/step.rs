@@ -38,7 +38,7 @@ use super::tap_cache::TapCache;
 use super::target::{self, Rows, RowsOut, Target};
 use super::{Counters, EngineConfig};
 use crate::generation::{FinishReason, GenerationRequest, Speculation};
-use crate::proposer::{Draft, DraftAsk, ProposerSlot, TapRows, Verdict};
+use crate::proposer::{Draft, DraftAsk, ProposerSlot, SessionId, TapRows, Verdict};
 use crate::verify::{verify, verify_greedy};
 
 /// A running sequence and the engine's bookkeeping around it.
@@ -65,6 +65,16 @@ struct Part {
     /// Index into `Core::live`.
     at: usize,
     kind: PartKind,
+}
+
+/// Where a sequence placed in the pool gets its prompt's computed prefix.
+enum Share {
+    /// An earlier sequence is computing more of it: wait a step.
+    Wait,
+    /// The prefix index's cached full blocks.
+    Cache,
+    /// The first `len` positions of live sequence `from`.
+    Fork { from: SessionId, len: usize },
 }
 
 enum PartKind {
@@ -225,51 +235,99 @@ impl<'a> Core<'a> {
         self.place();
     }
 
-    /// Gives every admitted sequence not yet in the pool its K/V there, adopting the longest
-    /// cached prefix of its prompt — unless an earlier sequence is still computing blocks
-    /// that prompt starts with (in-flight prefix sharing, SGLang's radix-cache behaviour for
-    /// a burst): then it waits, and adopts them from the index once they are written (a
-    /// chunk's full blocks are indexed right after its forward, and waiting sequences are
-    /// placed again then, before the writer can finish and release them), so a common prefix
-    /// of prompts arriving together is computed once.
+    /// Gives every admitted sequence not yet in the pool its K/V there: the longest prefix of
+    /// its prompt that is computed already — cached full blocks (the prefix index), or the
+    /// computed positions of an earlier live sequence with the same leading ids (forked: full
+    /// blocks shared, a partial last block copied) — unless an earlier sequence is still
+    /// prefilling more of that prompt (in-flight prefix sharing, SGLang's radix-cache
+    /// behaviour for a burst). Then it waits outside the pool and is placed again right after
+    /// the next forward (before the writer can finish and release what it wrote), so a
+    /// common prefix of prompts arriving together is computed once.
     fn place(&mut self) {
         for i in 0..self.live.len() {
             let l = &self.live[i];
             if l.placed || l.seq.finish().is_some() || l.error.is_some() {
                 continue;
             }
-            if self.config.prefix_dedup && self.shares_in_flight(i) {
-                if !std::mem::replace(&mut self.live[i].waited, true) {
-                    self.counters.shared_wait();
+            let share = match self.config.prefix_dedup {
+                true => self.sharing(i),
+                false => Share::Cache,
+            };
+            match share {
+                Share::Wait => {
+                    if !std::mem::replace(&mut self.live[i].waited, true) {
+                        self.counters.shared_wait();
+                    }
                 }
-                continue;
+                Share::Cache => self.create(i),
+                Share::Fork { from, len } => {
+                    let l = &mut self.live[i];
+                    l.placed = true;
+                    match self.target.fork(l.seq.session(), from, len) {
+                        Ok(held) => l.seq.computed = held,
+                        Err(e) => l.error = Some(format!("{e:#}")),
+                    }
+                }
             }
-            self.create(i);
         }
     }
 
-    /// Whether an earlier placed sequence still prefilling will compute full blocks that
-    /// `live[i]`'s prompt starts with. Sequences only ever wait for earlier ones, and those
-    /// prefill first (oldest first), so every wait ends.
-    fn shares_in_flight(&self, i: usize) -> bool {
-        let keys = &self.live[i].keys;
-        self.live[..i].iter().any(|p| {
-            let prefilling =
-                p.placed && !p.seq.is_running() && p.seq.finish().is_none() && p.error.is_none();
-            let shared = keys.iter().zip(&p.keys).take_while(|(a, b)| a == b).count();
-            prefilling && shared * BLOCK_SIZE > p.seq.computed
-        })
+    /// How `live[i]` gets its prompt's computed prefix (see [`Core::place`]). Sequences only
+    /// wait for earlier ones, which prefill first (oldest first), so every wait ends.
+    fn sharing(&self, i: usize) -> Share {
+        let l = &self.live[i];
+        let prompt = &l.seq.context[..l.seq.context.len() - 1];
+        // A tap drafter's `Open` needs the taps of every adopted position: only whole blocks
+        // whose taps the host cached (see `create`), never a forked partial block.
+        let taps = self.taps_needed(&l.seq);
+        let grain = |n: usize| match taps {
+            true => n / BLOCK_SIZE * BLOCK_SIZE,
+            false => n,
+        };
+        let cached = self.target.cached(prompt);
+        let (mut best, mut from, mut coming) = (cached, None, 0);
+        for p in &self.live[..i] {
+            if !p.placed || p.error.is_some() {
+                continue;
+            }
+            let common = prompt
+                .iter()
+                .zip(&p.seq.context)
+                .take_while(|(a, b)| a == b)
+                .count();
+            let have = grain(common.min(p.seq.computed));
+            if have > best {
+                (best, from) = (have, Some(p.seq.session()));
+            }
+            if !p.seq.is_running() && p.seq.finish().is_none() {
+                coming = coming.max(grain(common));
+            }
+        }
+        // Waiting costs a step: worth it for a block, or for half the rows left to compute.
+        let gain = coming.saturating_sub(best);
+        let left = prompt.len() + 1 - best;
+        if gain > 0 && (gain >= BLOCK_SIZE || 2 * gain >= left) {
+            return Share::Wait;
+        }
+        match from {
+            Some(from) if !taps && best > cached => Share::Fork { from, len: best },
+            _ => Share::Cache,
+        }
+    }
+
+    /// Whether `seq` feeds a tap drafter (its prefill must produce or adopt taps).
+    fn taps_needed(&self, seq: &Sequence<'_>) -> bool {
+        seq.req.speculation != Speculation::Off && !self.drafting.wants().is_empty()
     }
 
     /// Creates `live[i]` in the pool (see [`Core::place`]).
     fn create(&mut self, i: usize) {
-        let live = &mut self.live[i];
-        let seq = &mut live.seq;
         // A prefix-cache hit skips the shared prefill, and with it the taps of those
         // positions: a sequence feeding a tap drafter adopts only the cached blocks whose
         // taps the host kept (see `tap_cache`), and its `Open` carries them.
-        let taps_needed =
-            seq.req.speculation != Speculation::Off && !self.drafting.wants().is_empty();
+        let taps_needed = self.taps_needed(&self.live[i].seq);
+        let live = &mut self.live[i];
+        let seq = &mut live.seq;
         let prompt = &seq.context[..seq.context.len() - 1];
         let reuse = match taps_needed {
             false => prompt,
