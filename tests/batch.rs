@@ -284,6 +284,7 @@ fn the_host_cuts_unconfident_drafts_under_the_controller_and_never_under_a_fixed
         controlled.stats.drafted, 0,
         "every unconfident draft was cut"
     );
+    assert_eq!(controlled.stats.confidence_cut, sent);
     assert_eq!(
         controlled.stats.target_forwards, plain_forwards,
         "one token per forward: no verify rows for drafts"
@@ -296,6 +297,7 @@ fn the_host_cuts_unconfident_drafts_under_the_controller_and_never_under_a_fixed
         fixed.stats.drafted, sent,
         "a fixed k verifies every draft sent"
     );
+    assert_eq!(fixed.stats.confidence_cut, 0);
     assert_eq!(
         fixed.stats.accepted, sent,
         "and the oracle's drafts are all accepted"

@@ -123,6 +123,9 @@ pub struct GenerationStats {
     pub drafted: usize,
     /// Drafts the target accepted.
     pub accepted: usize,
+    /// Drafted tokens the host did not verify because the drafter's own confidences said
+    /// they would not pay (the controller's confidence cut; always 0 under a fixed k).
+    pub confidence_cut: usize,
     /// Rounds that had at least one draft.
     pub rounds: usize,
     /// Target forward passes after prefill.

@@ -508,8 +508,11 @@ impl<'a> Core<'a> {
                     *draft = drafts.next().unwrap_or_default();
                     // The host alone cuts by confidence, and only what its controller chose:
                     // a fixed k verifies every draft the drafter sent.
-                    if self.live[p.at].seq.req.speculation.is_adaptive() {
+                    let seq = &mut self.live[p.at].seq;
+                    if seq.req.speculation.is_adaptive() {
+                        let sent = draft.tokens.len();
                         trim_by_confidence(draft, floor);
+                        seq.stats.confidence_cut += sent - draft.tokens.len();
                     }
                     // Drafts the grammar forbids would only be rejected: they get no row.
                     if let Some(g) = &mut self.live[p.at].seq.grammar {
