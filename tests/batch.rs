@@ -12,7 +12,7 @@ use specula_models::loader::{load, LoadOptions, LoadedModel};
 use specula_models::sampling::SamplingParams;
 use specula_models::tokenizer::Special;
 use specula_models::WeightDType;
-use specula_tests::proposers::BadProposer;
+use specula_tests::proposers::{BadProposer, ScriptProposer};
 use specula_tests::tiny::tiny_loaded;
 use specula_tests::{bin_path, model_path};
 use target_host::drafter::{ClientConfig, DrafterClient, DrafterSpec};
@@ -78,8 +78,30 @@ fn batch_on(
     config: EngineConfig,
     reqs: &[GenerationRequest],
 ) -> Vec<Generation> {
+    run_all(&mut counted_core(loaded, slot, config).0, reqs)
+}
+
+/// A core over `loaded` drafting through `slot`, publishing into the counters returned.
+fn counted_core<'a>(
+    loaded: &'a LoadedModel,
+    slot: &'a ProposerSlot,
+    config: EngineConfig,
+) -> (Core<'a>, Arc<Counters>) {
+    let counters = Arc::new(Counters::default());
+    let core = Core::with_counters(
+        &loaded.model,
+        &loaded.tokenizer,
+        slot,
+        config,
+        counters.clone(),
+    )
+    .expect("core");
+    (core, counters)
+}
+
+/// Admits every request of `reqs` to `core` at once and steps until all are done.
+fn run_all(core: &mut Core<'_>, reqs: &[GenerationRequest]) -> Vec<Generation> {
     let results: Results = Arc::new(Mutex::new(vec![None; reqs.len()]));
-    let mut core = Core::new(&loaded.model, &loaded.tokenizer, slot, config).expect("core");
     for (i, req) in reqs.iter().enumerate() {
         let sink = Keep {
             results: results.clone(),
@@ -93,12 +115,16 @@ fn batch_on(
         steps += 1;
         assert!(steps < 100_000, "the batch does not finish");
     }
-    drop(core);
     let results = results.lock().unwrap();
     results
         .iter()
         .map(|r| r.clone().expect("reported").expect("generated"))
         .collect()
+}
+
+/// Runs `req` alone on `core`.
+fn run_one(core: &mut Core<'_>, req: GenerationRequest) -> Generation {
+    run_all(core, &[req]).remove(0)
 }
 
 fn solo_plain(loaded: &LoadedModel, req: &GenerationRequest) -> Vec<u32> {
@@ -217,6 +243,145 @@ fn a_fixed_k_drafts_every_round_beside_a_controlled_sequence() {
     assert_eq!(f.accepted, 0, "the bad drafter is never right");
 }
 
+/// The host is the one owner of the confidence cut. Under the controller, drafts whose
+/// confidences say they are not worth a verify row get none (here every one: 0.05 is under
+/// the lowest floor); a fixed k verifies every draft sent, whatever its confidence. The output
+/// is the solo plain output either way (the drafts are right: only the cut differs).
+#[test]
+fn the_host_cuts_unconfident_drafts_under_the_controller_and_never_under_a_fixed_k() {
+    let (_dir, loaded) = tiny_loaded("llama", 7);
+    let prompt = [5, 6, 7, 8];
+    let solo = solo_plain(&loaded, &request(1, &prompt, 24, Speculation::Off));
+    let config = EngineConfig {
+        profile: false,
+        ..EngineConfig::default()
+    };
+    let run = |speculation| {
+        let script = ScriptProposer::new(&prompt, &solo).with_confidence(0.05);
+        let sent = script.sent();
+        let req = request(1, &prompt, 24, speculation);
+        let got = batch(&loaded, Some(Box::new(script)), config.clone(), &[req]);
+        (got[0].clone(), sent.load(Ordering::Relaxed))
+    };
+    let plain = batch(
+        &loaded,
+        None,
+        config.clone(),
+        &[request(1, &prompt, 24, Speculation::Off)],
+    );
+    let plain_forwards = plain[0].stats.target_forwards;
+    assert!(
+        plain_forwards > 10,
+        "a long enough run: {:?}",
+        plain[0].stats
+    );
+    let (controlled, sent) = run(Speculation::Adaptive {
+        max_draft_tokens: 4,
+    });
+    assert_eq!(controlled.token_ids, solo);
+    assert!(sent > 0, "the drafter was asked");
+    assert_eq!(
+        controlled.stats.drafted, 0,
+        "every unconfident draft was cut"
+    );
+    assert_eq!(controlled.stats.confidence_cut, sent);
+    assert_eq!(
+        controlled.stats.target_forwards, plain_forwards,
+        "one token per forward: no verify rows for drafts"
+    );
+    let (fixed, sent) = run(Speculation::On {
+        num_draft_tokens: 4,
+    });
+    assert_eq!(fixed.token_ids, solo);
+    assert_eq!(
+        fixed.stats.drafted, sent,
+        "a fixed k verifies every draft sent"
+    );
+    assert_eq!(fixed.stats.confidence_cut, 0);
+    assert_eq!(
+        fixed.stats.accepted, sent,
+        "and the oracle's drafts are all accepted"
+    );
+    assert!(
+        fixed.stats.target_forwards * 3 < plain_forwards,
+        "{:?}",
+        fixed.stats
+    );
+}
+
+/// Prompts arriving together that start with a block no cache holds yet: the first computes
+/// it once, the others wait for it and adopt it (in-flight prefix sharing; a repeated prompt
+/// forks all of it), so the burst's forwards run the shared rows once — and every output is
+/// still its solo plain output, whole prompts in one step or chunked through a tight budget,
+/// with drafting beside.
+#[test]
+fn a_bursts_shared_prefix_is_computed_once_and_changes_nothing() {
+    let (_dir, loaded) = tiny_loaded("qwen2", 3);
+    let vocab = loaded.model.config().vocab_size;
+    let common: Vec<u32> = (0..32u32).map(|i| 3 + (i * 11) % 50).collect();
+    let mut prompts: Vec<Vec<u32>> = (0..3u32)
+        .map(|i| {
+            let tail = (0..5).map(|j| 4 + (i * 7 + j * 3) % 40);
+            common.iter().copied().chain(tail).collect()
+        })
+        .collect();
+    // A repeat of the first (a retry, or `n` > 1): it forks all but its last id.
+    prompts.push(prompts[0].clone());
+    let reqs = |max_tokens: usize| -> Vec<GenerationRequest> {
+        let specs = [
+            Speculation::Off,
+            Speculation::On {
+                num_draft_tokens: 2,
+            },
+            Speculation::Adaptive {
+                max_draft_tokens: 3,
+            },
+        ];
+        (0..4)
+            .map(|i| request(i as u64 + 1, &prompts[i], max_tokens, specs[i % 3]))
+            .collect()
+    };
+    let untimed = EngineConfig {
+        profile: false,
+        ..EngineConfig::default()
+    };
+    // One token each: the forwards run prompt rows only.
+    let burst = |prefix_dedup: bool| {
+        let slot = ProposerSlot::new(None);
+        let config = EngineConfig {
+            prefix_dedup,
+            ..untimed.clone()
+        };
+        let (mut core, counters) = counted_core(&loaded, &slot, config);
+        run_all(&mut core, &reqs(1));
+        counters.snapshot()
+    };
+    let each = burst(false);
+    assert_eq!((each.batch_rows, each.steps), (4 * 37, 1), "{each:?}");
+    assert_eq!(each.shared_waits, 0);
+    let shared = burst(true);
+    assert_eq!(
+        shared.batch_rows,
+        37 + 2 * 5 + 1,
+        "the common block ran once, the repeat's prompt too: {shared:?}"
+    );
+    assert_eq!(shared.prefix_hit_tokens, 2 * 32, "two adopted the block");
+    assert_eq!((shared.shared_waits, shared.steps), (3, 2));
+    let reqs = reqs(12);
+    let solo: Vec<Vec<u32>> = reqs.iter().map(|r| solo_plain(&loaded, r)).collect();
+    // Three run at once in the tight budget: the repeat starts after the first is done, from
+    // the cache.
+    for (config, waits) in [(untimed, 3), (tight(), 2)] {
+        let slot = ProposerSlot::new(Some(Box::new(BadProposer::new(vocab, false, 5))));
+        let (mut core, counters) = counted_core(&loaded, &slot, config.clone());
+        let got = run_all(&mut core, &reqs);
+        assert_eq!(counters.snapshot().shared_waits, waits, "{config:?}");
+        for (i, g) in got.iter().enumerate() {
+            assert_eq!(g.token_ids, solo[i], "request {i}, {config:?}");
+        }
+    }
+}
+
 /// A proposer whose drafts wait until the test opens the gate: holds the engine inside a step.
 struct Gate {
     entered: Arc<AtomicBool>,
@@ -332,7 +497,6 @@ fn distinct_prompts_do_not_grow_the_pool_past_its_prefix_cache_budget() {
     let budget_blocks = (1 << 20) / block_bytes;
     let rounds = budget_blocks + 16;
     for mib in [0, 1] {
-        let counters = Arc::new(Counters::default());
         let config = EngineConfig {
             max_running: 2,
             max_batch_tokens: 64,
@@ -343,14 +507,7 @@ fn distinct_prompts_do_not_grow_the_pool_past_its_prefix_cache_budget() {
             ..EngineConfig::default()
         };
         let slot = ProposerSlot::new(None);
-        let mut core = Core::with_counters(
-            &loaded.model,
-            &loaded.tokenizer,
-            &slot,
-            config,
-            counters.clone(),
-        )
-        .expect("core");
+        let (mut core, counters) = counted_core(&loaded, &slot, config);
         let results: Results = Arc::new(Mutex::new(vec![None; 2]));
         // Distinct first blocks: n's digits in base 50 lead.
         let prompt = |n: usize| -> Vec<u32> {
@@ -387,19 +544,8 @@ fn distinct_prompts_do_not_grow_the_pool_past_its_prefix_cache_budget() {
         // Distinct prompts made more cached blocks than the budget keeps: the bound was exercised.
         assert!(2 * rounds > mib * budget_blocks);
         let before = counters.snapshot().prefix_hit_tokens;
-        let sink = Keep {
-            results: results.clone(),
-            i: 0,
-        };
         let last = prompt(2 * rounds - 1);
-        core.admit(
-            request(u64::MAX, &last, 4, Speculation::Off),
-            Box::new(sink),
-        )
-        .expect("admitted");
-        while core.has_work() {
-            core.step().expect("step");
-        }
+        run_one(&mut core, request(u64::MAX, &last, 4, Speculation::Off));
         let hit = counters.snapshot().prefix_hit_tokens - before;
         assert_eq!(
             hit,
@@ -435,16 +581,8 @@ fn streams_at_the_whole_context_stay_within_the_pool() {
         })
         .collect();
     let results: Results = Arc::new(Mutex::new(vec![None; reqs.len()]));
-    let counters = Arc::new(Counters::default());
     let slot = ProposerSlot::new(None);
-    let mut core = Core::with_counters(
-        &loaded.model,
-        &loaded.tokenizer,
-        &slot,
-        config,
-        counters.clone(),
-    )
-    .expect("core");
+    let (mut core, counters) = counted_core(&loaded, &slot, config);
     let mut accepted = Vec::new();
     for (i, req) in reqs.iter().enumerate() {
         let sink = Keep {
@@ -584,39 +722,18 @@ fn a_second_turn_reuses_the_first_turns_blocks_and_changes_nothing() {
     let (_dir, loaded) = tiny_loaded("llama", 11);
     let turn1: Vec<u32> = (0..40u32).map(|i| 3 + (i * 7) % 50).collect();
     let slot = ProposerSlot::new(None);
-    let counters = Arc::new(target_host::engine::Counters::default());
     let config = EngineConfig {
         profile: false,
         ..EngineConfig::default()
     };
-    let mut core = Core::with_counters(
-        &loaded.model,
-        &loaded.tokenizer,
-        &slot,
-        config,
-        counters.clone(),
-    )
-    .expect("core");
-    let run = |core: &mut Core<'_>, req: GenerationRequest| {
-        let results: Results = Arc::new(Mutex::new(vec![None]));
-        let sink = Keep {
-            results: results.clone(),
-            i: 0,
-        };
-        core.admit(req, Box::new(sink)).expect("admitted");
-        while core.has_work() {
-            core.step().expect("step");
-        }
-        let out = results.lock().unwrap()[0].clone();
-        out.expect("reported").expect("generated")
-    };
-    let first = run(&mut core, request(1, &turn1, 8, Speculation::Off));
+    let (mut core, counters) = counted_core(&loaded, &slot, config);
+    let first = run_one(&mut core, request(1, &turn1, 8, Speculation::Off));
     assert_eq!(counters.snapshot().prefix_hit_tokens, 0);
     let mut turn2 = turn1.clone();
     turn2.extend(&first.token_ids);
     turn2.extend([9, 10, 11]);
     let req2 = request(2, &turn2, 8, Speculation::Off);
-    let second = run(&mut core, req2.clone());
+    let second = run_one(&mut core, req2.clone());
     let hits = counters.snapshot().prefix_hit_tokens;
     assert!(hits >= 32, "the first turn's full block was reused: {hits}");
     assert_eq!(second.token_ids, solo_plain(&loaded, &req2));
@@ -924,39 +1041,18 @@ fn a_tap_drafters_second_turn_adopts_cached_blocks_with_their_taps() {
     };
     let (proposer, client) = observed_drafter(&loaded, &args, config);
     let slot = ProposerSlot::new(Some(proposer));
-    let counters = Arc::new(target_host::engine::Counters::default());
-    let mut core = Core::with_counters(
-        &loaded.model,
-        &loaded.tokenizer,
-        &slot,
-        slow_drafts(),
-        counters.clone(),
-    )
-    .expect("core");
-    let run = |core: &mut Core<'_>, req: GenerationRequest| {
-        let results: Results = Arc::new(Mutex::new(vec![None]));
-        let sink = Keep {
-            results: results.clone(),
-            i: 0,
-        };
-        core.admit(req, Box::new(sink)).expect("admitted");
-        while core.has_work() {
-            core.step().expect("step");
-        }
-        let out = results.lock().unwrap()[0].clone();
-        out.expect("reported").expect("generated")
-    };
+    let (mut core, counters) = counted_core(&loaded, &slot, slow_drafts());
     let turn1: Vec<u32> = (0..70u32).map(|i| 100 + (i * 37) % 900).collect();
     let spec = Speculation::On {
         num_draft_tokens: 2,
     };
-    let first = run(&mut core, request(1, &turn1, 8, spec));
+    let first = run_one(&mut core, request(1, &turn1, 8, spec));
     assert_eq!(counters.snapshot().prefix_hit_tokens, 0);
     let mut turn2 = turn1.clone();
     turn2.extend(&first.token_ids);
     turn2.extend([200, 201, 202]);
     let req2 = request(2, &turn2, 8, spec);
-    let second = run(&mut core, req2.clone());
+    let second = run_one(&mut core, req2.clone());
     let hits = counters.snapshot().prefix_hit_tokens;
     assert_eq!(hits, 64, "the first turn's two full blocks were adopted");
     drop(core);

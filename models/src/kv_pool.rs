@@ -467,19 +467,14 @@ impl KvPool {
         Ok(child)
     }
 
-    /// Gives the empty sequence `seq` the longest chain of indexed full blocks that starts
-    /// `tokens`, returning how many positions it now holds (a multiple of [`BLOCK_SIZE`]).
-    /// Pass at most the prompt minus its last token when that token's logits are needed.
-    ///
-    /// # Errors
-    /// [`Error::InvalidRequest`] for an unknown or non-empty sequence.
-    pub fn adopt_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
-        if self.len(seq)? != 0 {
-            return Err(invalid(
-                "KvPool::adopt_prefix",
-                format!("sequence {seq:?} is not empty"),
-            ));
-        }
+    /// How many positions [`KvPool::adopt_prefix`] would give a sequence for `tokens` now
+    /// (changes nothing, counts nothing).
+    pub fn cached_prefix(&self, tokens: &[u32]) -> usize {
+        self.lookup(tokens).0.len() * BLOCK_SIZE
+    }
+
+    /// The longest chain of indexed full blocks that starts `tokens`, with their keys.
+    fn lookup(&self, tokens: &[u32]) -> (Vec<BlockId>, Vec<BlockKey>) {
         let mut parent = None;
         let mut found = Vec::new();
         let mut keys = Vec::new();
@@ -499,6 +494,23 @@ impl KvPool {
             keys.push(key);
             parent = Some(key);
         }
+        (found, keys)
+    }
+
+    /// Gives the empty sequence `seq` the longest chain of indexed full blocks that starts
+    /// `tokens`, returning how many positions it now holds (a multiple of [`BLOCK_SIZE`]).
+    /// Pass at most the prompt minus its last token when that token's logits are needed.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] for an unknown or non-empty sequence.
+    pub fn adopt_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
+        if self.len(seq)? != 0 {
+            return Err(invalid(
+                "KvPool::adopt_prefix",
+                format!("sequence {seq:?} is not empty"),
+            ));
+        }
+        let (found, keys) = self.lookup(tokens);
         let len = found.len() * BLOCK_SIZE;
         self.stats.prefix_query_tokens += (tokens.len() / BLOCK_SIZE * BLOCK_SIZE) as u64;
         self.stats.prefix_hit_tokens += len as u64;

@@ -8,10 +8,10 @@
 //! |---|---|
 //! | `floor` | one step with all N prompts admitted and a budget that holds all their rows: one forward over every prompt row (no scheduler can give the last stream its first token sooner without sharing rows) |
 //! | `dedup floor` | one forward over the rows left when the prompts' common prefix runs once (a single prompt of that many rows): the floor with perfect prefix sharing |
-//! | `engine` | the engine as configured (`--max-batch-tokens`): the time until the last of the N has its first token, and the steps it took |
+//! | `engine` | the engine as configured (`--max-batch-tokens`), without and with in-flight prefix dedup (a prompt waits for the blocks an earlier one is computing and adopts them): the time until the last of the N has its first token, and the steps it took |
 //!
 //! each against the same measurement for one prompt alone. The prefix cache is off, so every
-//! repetition computes every row.
+//! repetition starts cold (dedup shares blocks only while their writer holds them).
 //!
 //! ```sh
 //! cargo run --release -p target-host --example burst -- --model models/cache/smollm2-135m.gguf --streams 8
@@ -24,7 +24,7 @@ use anyhow::{Context, Result};
 use specula_models::chat::{ChatMessage, RenderOptions};
 use specula_models::loader::{load, LoadOptions, LoadedModel};
 use specula_models::sampling::SamplingParams;
-use target_host::engine::{Core, EngineConfig, Sink};
+use target_host::engine::{Core, Counters, EngineConfig, Sink};
 use target_host::generation::{Flow, Generation, GenerationRequest, Speculation, TokenEvent};
 use target_host::proposer::ProposerSlot;
 
@@ -119,17 +119,30 @@ fn unique_rows(prompts: &[Vec<u32>]) -> usize {
         .sum()
 }
 
-/// Admits `prompts` together and steps until each has its first token: (ms, steps).
-fn burst(loaded: &LoadedModel, prompts: &[Vec<u32>], batch_tokens: usize) -> Result<(f64, usize)> {
+/// Admits `prompts` together and steps until each has its first token: (ms, steps, rows run).
+fn burst(
+    loaded: &LoadedModel,
+    prompts: &[Vec<u32>],
+    batch_tokens: usize,
+    prefix_dedup: bool,
+) -> Result<(f64, usize, u64)> {
     let config = EngineConfig {
         max_running: prompts.len(),
         max_batch_tokens: batch_tokens.max(prompts.len()),
         prefix_cache_mib: 0,
+        prefix_dedup,
         profile: false,
         ..EngineConfig::default()
     };
     let slot = ProposerSlot::new(None);
-    let mut core = Core::new(&loaded.model, &loaded.tokenizer, &slot, config)?;
+    let counters = Arc::new(Counters::default());
+    let mut core = Core::with_counters(
+        &loaded.model,
+        &loaded.tokenizer,
+        &slot,
+        config,
+        counters.clone(),
+    )?;
     let firsts: Vec<_> = prompts.iter().map(|_| Arc::new(Mutex::new(None))).collect();
     for (i, p) in prompts.iter().enumerate() {
         let req = GenerationRequest {
@@ -159,7 +172,12 @@ fn burst(loaded: &LoadedModel, prompts: &[Vec<u32>], batch_tokens: usize) -> Res
         .filter_map(|f| *f.lock().expect("not poisoned"))
         .max()
         .context("no first token")?;
-    Ok((last.duration_since(started).as_secs_f64() * 1e3, steps))
+    let rows = counters.snapshot().batch_rows;
+    Ok((
+        last.duration_since(started).as_secs_f64() * 1e3,
+        steps,
+        rows,
+    ))
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -167,21 +185,22 @@ fn median(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2]
 }
 
-/// Median over `reps` of [`burst`], steps of the last.
+/// Median over `reps` of [`burst`], steps and rows of the last.
 fn timed(
     loaded: &LoadedModel,
     prompts: &[Vec<u32>],
     batch: usize,
+    prefix_dedup: bool,
     reps: usize,
-) -> Result<(f64, usize)> {
+) -> Result<(f64, usize, u64)> {
     let mut times = Vec::new();
-    let mut steps = 0;
+    let (mut steps, mut rows) = (0, 0);
     for _ in 0..reps {
-        let (ms, s) = burst(loaded, prompts, batch)?;
+        let (ms, s, r) = burst(loaded, prompts, batch, prefix_dedup)?;
         times.push(ms);
-        steps = s;
+        (steps, rows) = (s, r);
     }
-    Ok((median(times), steps))
+    Ok((median(times), steps, rows))
 }
 
 fn main() -> Result<()> {
@@ -192,12 +211,13 @@ fn main() -> Result<()> {
     let rows: usize = all.iter().map(Vec::len).sum();
     let unique = unique_rows(&all);
     // Warm-up: first allocations and page faults.
-    burst(&loaded, &all, rows)?;
-    let (alone, _) = timed(&loaded, one, rows, a.reps)?;
-    let (floor, _) = timed(&loaded, &all, rows, a.reps)?;
+    burst(&loaded, &all, rows, false)?;
+    let (alone, _, _) = timed(&loaded, one, rows, false, a.reps)?;
+    let (floor, _, _) = timed(&loaded, &all, rows, false, a.reps)?;
     let synthetic: Vec<u32> = all.iter().flatten().copied().take(unique).collect();
-    let (dedup, _) = timed(&loaded, &[synthetic], rows, a.reps)?;
-    let (engine, steps) = timed(&loaded, &all, a.batch_tokens, a.reps)?;
+    let (dedup, _, _) = timed(&loaded, &[synthetic], rows, false, a.reps)?;
+    let (plain, plain_steps, plain_rows) = timed(&loaded, &all, a.batch_tokens, false, a.reps)?;
+    let (engine, steps, engine_rows) = timed(&loaded, &all, a.batch_tokens, true, a.reps)?;
     println!(
         "# burst: {}, {} prompts of {} rows in all ({} after their common prefixes; one alone: {} rows), medians of {}",
         loaded.model.weights_path().display(),
@@ -207,19 +227,27 @@ fn main() -> Result<()> {
         one[0].len(),
         a.reps
     );
-    println!("| what | last first token ms | × one prompt alone | steps |");
-    println!("|---|---|---|---|");
-    println!("| one prompt alone | {alone:.1} | 1.00 | 1 |");
+    println!("| what | last first token ms | × one prompt alone | steps | rows run |");
+    println!("|---|---|---|---|---|");
     println!(
-        "| floor: one forward over all {rows} rows | {floor:.1} | {:.2} | 1 |",
+        "| one prompt alone | {alone:.1} | 1.00 | 1 | {} |",
+        one[0].len()
+    );
+    println!(
+        "| floor: one forward over all {rows} rows | {floor:.1} | {:.2} | 1 | {rows} |",
         floor / alone
     );
     println!(
-        "| dedup floor: one forward over {unique} rows | {dedup:.1} | {:.2} | 1 |",
+        "| dedup floor: one forward over {unique} rows | {dedup:.1} | {:.2} | 1 | {unique} |",
         dedup / alone
     );
     println!(
-        "| engine, --max-batch-tokens {} | {engine:.1} | {:.2} | {steps} |",
+        "| engine, --max-batch-tokens {} --no-prefix-dedup | {plain:.1} | {:.2} | {plain_steps} | {plain_rows} |",
+        a.batch_tokens,
+        plain / alone
+    );
+    println!(
+        "| engine, --max-batch-tokens {} (in-flight prefix dedup) | {engine:.1} | {:.2} | {steps} | {engine_rows} |",
         a.batch_tokens,
         engine / alone
     );

@@ -15,6 +15,10 @@
 //! | [`drafting`] | what each drafter session is told and given; re-sync after a swap or respawn |
 //! | [`tap_cache`] | drafter taps of prefix-cached blocks, so tap sessions adopt them too |
 //!
+//! Requests that arrive together and share leading prompt blocks no cache holds yet compute
+//! them once: the first prefills them, the others wait for them and adopt them from the prefix
+//! index (`--no-prefix-dedup` turns this off; see [`Core`]'s `place`).
+//!
 //! Requests arrive from any thread (the HTTP handlers) through [`Engine::submit`], which
 //! refuses at once (HTTP 429 with a retry delay) when the bounded queue is full, and stream
 //! their tokens back over a channel; dropping the receiving end cancels the request before the
@@ -78,6 +82,11 @@ pub struct EngineConfig {
     /// feed a tap drafter prefill their whole prompt instead of adopting cached blocks).
     #[arg(long, default_value_t = 256)]
     pub tap_cache_mib: usize,
+    /// Compute a common prompt prefix of requests arriving together once: a request whose
+    /// prompt starts with blocks an earlier one is still prefilling waits for them and adopts
+    /// them (`--no-prefix-dedup`: every request prefills what the cache does not hold).
+    #[arg(long = "no-prefix-dedup", action = clap::ArgAction::SetFalse)]
+    pub prefix_dedup: bool,
     /// The longest draft deadline (set from `--draft-deadline-ms`).
     #[arg(skip = Duration::from_millis(500))]
     pub draft_deadline_cap: Duration,
@@ -96,6 +105,7 @@ impl Default for EngineConfig {
             prefix_cache_mib: 128,
             draft_deadline_steps: 4.0,
             tap_cache_mib: 256,
+            prefix_dedup: true,
             draft_deadline_cap: Duration::from_millis(500),
             profile: true,
         }
@@ -158,6 +168,7 @@ pub struct Counters {
     finished: AtomicU64,
     prefix_lookups: AtomicU64,
     prefix_hit_tokens: AtomicU64,
+    shared_waits: AtomicU64,
     refused: AtomicU64,
     step_us: AtomicU64,
     forward_us: AtomicU64,
@@ -199,6 +210,9 @@ pub struct EngineCounters {
     pub prefix_lookups: u64,
     /// Prompt positions served from the prefix cache.
     pub prefix_hit_tokens: u64,
+    /// Requests that waited for an earlier one to compute blocks their prompts start with
+    /// (in-flight prefix sharing), then adopted them.
+    pub shared_waits: u64,
     /// Requests refused (queue full).
     pub refused: u64,
     /// Time in steps, µs (the split below, plus the host's own work: planning,
@@ -248,6 +262,10 @@ impl Counters {
         self.last_mean_k_milli.store(mean, Ordering::Relaxed);
     }
 
+    fn shared_wait(&self) {
+        self.shared_waits.fetch_add(1, Ordering::Relaxed);
+    }
+
     fn finished(&self) {
         self.finished.fetch_add(1, Ordering::Relaxed);
     }
@@ -281,6 +299,7 @@ impl Counters {
             finished: q(&self.finished),
             prefix_lookups: q(&self.prefix_lookups),
             prefix_hit_tokens: q(&self.prefix_hit_tokens),
+            shared_waits: q(&self.shared_waits),
             refused: q(&self.refused),
             step_us: q(&self.step_us),
             forward_us: q(&self.forward_us),
@@ -586,7 +605,7 @@ pub type EngineSeries = (&'static str, SeriesKind, &'static str, f64);
 
 impl EngineCounters {
     /// The counters as metric series, in a fixed order (the same names at every call).
-    pub fn series(&self) -> [EngineSeries; 19] {
+    pub fn series(&self) -> [EngineSeries; 20] {
         [
             (
                 "specula_engine_running",
@@ -677,6 +696,12 @@ impl EngineCounters {
                 SeriesKind::Counter,
                 "Prompt positions served from the prefix cache.",
                 self.prefix_hit_tokens as f64,
+            ),
+            (
+                "specula_prefix_inflight_waits_total",
+                SeriesKind::Counter,
+                "Requests that waited for an earlier one to compute their common prompt prefix.",
+                self.shared_waits as f64,
             ),
             (
                 "specula_engine_refused_total",

@@ -8,8 +8,12 @@
 //! 2. plan: every running sequence contributes `[pending, d1..dk]` with its own k (0: a plain
 //!    decode row) chosen by the [`Controller`] (or fixed by the request); prefill chunks share
 //!    the rest of the token budget;
-//! 3. draft: one batched call to the proposer for every sequence with k > 0; a sequence
-//!    under a grammar keeps only the draft prefix its grammar allows
+//! 3. draft: one batched call to the proposer for every sequence with k > 0. Under the
+//!    controller the host cuts each draft where the drafter's own confidences fall below the
+//!    break-even reach of one more verify row (`confidence_floor`); a fixed k
+//!    ([`Speculation::On`]) verifies every draft sent, uncut. Drafters only report
+//!    confidences: this is the one place a draft is shortened by them. A sequence under a
+//!    grammar keeps only the draft prefix its grammar allows
 //!    ([`crate::grammar::Constraint::check_draft`]);
 //! 4. one target forward over all rows ([`Target::forward`]), logits only where verified;
 //! 5. per sequence: verify (greedy argmax or rejection sampling, each row under the grammar's
@@ -21,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{Tensor, D};
-use specula_models::kv_pool::{chain_keys, BLOCK_SIZE};
+use specula_models::kv_pool::{chain_keys, BlockKey, BLOCK_SIZE};
 use specula_models::tokenizer::Tokenizer;
 use specula_models::Model;
 use tracing::warn;
@@ -34,7 +38,7 @@ use super::tap_cache::TapCache;
 use super::target::{self, Rows, RowsOut, Target};
 use super::{Counters, EngineConfig};
 use crate::generation::{FinishReason, GenerationRequest, Speculation};
-use crate::proposer::{Draft, DraftAsk, ProposerSlot, TapRows, Verdict};
+use crate::proposer::{Draft, DraftAsk, ProposerSlot, SessionId, TapRows, Verdict};
 use crate::verify::{verify, verify_greedy};
 
 /// A running sequence and the engine's bookkeeping around it.
@@ -42,6 +46,13 @@ struct Live<'a> {
     seq: Sequence<'a>,
     /// KV positions reserved at admission.
     need: usize,
+    /// The prefix keys of the prompt's full blocks (all but its last id).
+    keys: Vec<BlockKey>,
+    /// Whether it has K/V in the pool yet: an admitted sequence waits outside it while an
+    /// earlier one computes blocks of its prompt (see [`Core::place`]).
+    placed: bool,
+    /// Whether it waited so.
+    waited: bool,
     acceptance: Acceptance,
     /// Taps of the prompt so far, for the drafter's `Open`.
     prompt_taps: Option<TapRows>,
@@ -54,6 +65,16 @@ struct Part {
     /// Index into `Core::live`.
     at: usize,
     kind: PartKind,
+}
+
+/// Where a sequence placed in the pool gets its prompt's computed prefix.
+enum Share {
+    /// An earlier sequence is computing more of it: wait a step.
+    Wait,
+    /// The prefix index's cached full blocks.
+    Cache,
+    /// The first `len` positions of live sequence `from`.
+    Fork { from: SessionId, len: usize },
 }
 
 enum PartKind {
@@ -186,6 +207,7 @@ impl<'a> Core<'a> {
         if !parts.is_empty() {
             forward_ms = self.run(parts, draft_ms);
         }
+        self.place();
         self.reap();
         self.publish();
         let step_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -197,44 +219,130 @@ impl<'a> Core<'a> {
         for seq in self.sched.drop_waiting(Sequence::is_closed) {
             seq.report(None);
         }
-        for (mut seq, need) in self.sched.admit() {
-            // A prefix-cache hit skips the shared prefill, and with it the taps of those
-            // positions: a sequence feeding a tap drafter adopts only the cached blocks whose
-            // taps the host kept (see `tap_cache`), and its `Open` carries them.
-            let taps_needed =
-                seq.req.speculation != Speculation::Off && !self.drafting.wants().is_empty();
-            let prompt = &seq.context[..seq.context.len() - 1];
-            let (reuse, keys) = match taps_needed {
-                false => (prompt, Vec::new()),
-                true => {
-                    let keys = chain_keys(prompt);
-                    let n = self.tap_cache.leading(&keys);
-                    (&prompt[..n * BLOCK_SIZE], keys)
-                }
-            };
-            let created = self.target.create(seq.session(), reuse);
-            let mut prompt_taps = None;
-            if let Ok(hit) = created {
-                if taps_needed && hit > 0 {
-                    prompt_taps = self.tap_cache.prefix(&keys[..hit / BLOCK_SIZE]);
-                }
-            }
-            match created {
-                Ok(hit) => seq.computed = hit,
-                Err(e) => {
-                    self.target.release(seq.session());
-                    self.sched.release(need);
-                    seq.report(Some(format!("{e:#}")));
-                    continue;
-                }
-            }
+        for (seq, need) in self.sched.admit() {
+            let keys = chain_keys(&seq.context[..seq.context.len() - 1]);
             self.live.push(Live {
                 seq,
                 need,
+                keys,
+                placed: false,
+                waited: false,
                 acceptance: Acceptance::default(),
-                prompt_taps,
+                prompt_taps: None,
                 error: None,
             });
+        }
+        self.place();
+    }
+
+    /// Gives every admitted sequence not yet in the pool its K/V there: the longest prefix of
+    /// its prompt that is computed already — cached full blocks (the prefix index), or the
+    /// computed positions of an earlier live sequence with the same leading ids (forked: full
+    /// blocks shared, a partial last block copied) — unless an earlier sequence is still
+    /// prefilling more of that prompt (in-flight prefix sharing, SGLang's radix-cache
+    /// behaviour for a burst). Then it waits outside the pool and is placed again right after
+    /// the next forward (before the writer can finish and release what it wrote), so a
+    /// common prefix of prompts arriving together is computed once.
+    fn place(&mut self) {
+        for i in 0..self.live.len() {
+            let l = &self.live[i];
+            if l.placed || l.seq.finish().is_some() || l.error.is_some() {
+                continue;
+            }
+            let share = match self.config.prefix_dedup {
+                true => self.sharing(i),
+                false => Share::Cache,
+            };
+            match share {
+                Share::Wait => {
+                    if !std::mem::replace(&mut self.live[i].waited, true) {
+                        self.counters.shared_wait();
+                    }
+                }
+                Share::Cache => self.create(i),
+                Share::Fork { from, len } => {
+                    let l = &mut self.live[i];
+                    l.placed = true;
+                    match self.target.fork(l.seq.session(), from, len) {
+                        Ok(held) => l.seq.computed = held,
+                        Err(e) => l.error = Some(format!("{e:#}")),
+                    }
+                }
+            }
+        }
+    }
+
+    /// How `live[i]` gets its prompt's computed prefix (see [`Core::place`]). Sequences only
+    /// wait for earlier ones, which prefill first (oldest first), so every wait ends.
+    fn sharing(&self, i: usize) -> Share {
+        let l = &self.live[i];
+        let prompt = &l.seq.context[..l.seq.context.len() - 1];
+        // A tap drafter's `Open` needs the taps of every adopted position: only whole blocks
+        // whose taps the host cached (see `create`), never a forked partial block.
+        let taps = self.taps_needed(&l.seq);
+        let grain = |n: usize| match taps {
+            true => n / BLOCK_SIZE * BLOCK_SIZE,
+            false => n,
+        };
+        let cached = self.target.cached(prompt);
+        let (mut best, mut from, mut coming) = (cached, None, 0);
+        for p in &self.live[..i] {
+            if !p.placed || p.error.is_some() {
+                continue;
+            }
+            let common = prompt
+                .iter()
+                .zip(&p.seq.context)
+                .take_while(|(a, b)| a == b)
+                .count();
+            let have = grain(common.min(p.seq.computed));
+            if have > best {
+                (best, from) = (have, Some(p.seq.session()));
+            }
+            if !p.seq.is_running() && p.seq.finish().is_none() {
+                coming = coming.max(grain(common));
+            }
+        }
+        // Waiting costs a step: worth it for a block, or for half the rows left to compute.
+        let gain = coming.saturating_sub(best);
+        let left = prompt.len() + 1 - best;
+        if gain > 0 && (gain >= BLOCK_SIZE || 2 * gain >= left) {
+            return Share::Wait;
+        }
+        match from {
+            Some(from) if !taps && best > cached => Share::Fork { from, len: best },
+            _ => Share::Cache,
+        }
+    }
+
+    /// Whether `seq` feeds a tap drafter (its prefill must produce or adopt taps).
+    fn taps_needed(&self, seq: &Sequence<'_>) -> bool {
+        seq.req.speculation != Speculation::Off && !self.drafting.wants().is_empty()
+    }
+
+    /// Creates `live[i]` in the pool (see [`Core::place`]).
+    fn create(&mut self, i: usize) {
+        // A prefix-cache hit skips the shared prefill, and with it the taps of those
+        // positions: a sequence feeding a tap drafter adopts only the cached blocks whose
+        // taps the host kept (see `tap_cache`), and its `Open` carries them.
+        let taps_needed = self.taps_needed(&self.live[i].seq);
+        let live = &mut self.live[i];
+        let seq = &mut live.seq;
+        let prompt = &seq.context[..seq.context.len() - 1];
+        let reuse = match taps_needed {
+            false => prompt,
+            true => &prompt[..self.tap_cache.leading(&live.keys) * BLOCK_SIZE],
+        };
+        live.placed = true;
+        match self.target.create(seq.session(), reuse) {
+            Ok(hit) => {
+                seq.computed = hit;
+                if taps_needed && hit > 0 {
+                    live.prompt_taps = self.tap_cache.prefix(&live.keys[..hit / BLOCK_SIZE]);
+                }
+            }
+            // Reaped (its reservation released, its error reported) after this step.
+            Err(e) => live.error = Some(format!("{e:#}")),
         }
     }
 
@@ -244,7 +352,7 @@ impl<'a> Core<'a> {
         let limits = self.sched.limits();
         let (mut decode, mut prefill) = (Vec::new(), Vec::new());
         for (at, live) in self.live.iter_mut().enumerate() {
-            if live.seq.finish().is_some() || live.error.is_some() {
+            if !live.placed || live.seq.finish().is_some() || live.error.is_some() {
                 continue;
             }
             match live.seq.is_running() {
@@ -398,7 +506,14 @@ impl<'a> Core<'a> {
             if let PartKind::Decode { asked, draft } = &mut p.kind {
                 if *asked > 0 {
                     *draft = drafts.next().unwrap_or_default();
-                    trim_by_confidence(draft, floor);
+                    // The host alone cuts by confidence, and only what its controller chose:
+                    // a fixed k verifies every draft the drafter sent.
+                    let seq = &mut self.live[p.at].seq;
+                    if seq.req.speculation.is_adaptive() {
+                        let sent = draft.tokens.len();
+                        trim_by_confidence(draft, floor);
+                        seq.stats.confidence_cut += sent - draft.tokens.len();
+                    }
                     // Drafts the grammar forbids would only be rejected: they get no row.
                     if let Some(g) = &mut self.live[p.at].seq.grammar {
                         let valid = g.check_draft(&draft.tokens);
@@ -662,7 +777,7 @@ const CONFIDENCE_FLOOR: f32 = 0.1;
 
 /// Cuts a draft where the drafter's own confidences say the rest is reached less often than
 /// `floor` (DSpark's confidence-scheduled length; SpecDec++'s stopping rule). Drafts without
-/// confidences are kept whole.
+/// confidences are kept whole. Applied to controller-chosen drafts only (see the module docs).
 fn trim_by_confidence(draft: &mut Draft, floor: f32) {
     let Some(conf) = &draft.confidence else {
         return;

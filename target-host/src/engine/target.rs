@@ -104,6 +104,27 @@ impl<'m> Target<'m> {
         Ok(self.pool.adopt_prefix(seq, prompt)?)
     }
 
+    /// Positions of `prompt` the prefix index would give a new sequence now.
+    pub fn cached(&self, prompt: &[u32]) -> usize {
+        self.pool.cached_prefix(prompt)
+    }
+
+    /// Starts a sequence holding the first `len` positions of `from` (computed ones: full
+    /// blocks shared, a partial last block copied); returns `len`.
+    ///
+    /// # Errors
+    /// `from` unknown or shorter than `len`, or no block for the copy.
+    pub fn fork(
+        &mut self,
+        session: SessionId,
+        from: SessionId,
+        len: usize,
+    ) -> anyhow::Result<usize> {
+        let seq = self.pool.fork(self.seq(from)?, len)?;
+        self.seqs.insert(session, seq);
+        Ok(len)
+    }
+
     /// Frees a sequence's blocks at once; its full blocks stay findable by the prefix index
     /// until evicted.
     pub fn release(&mut self, session: SessionId) {
