@@ -157,9 +157,12 @@ fn tiny_target_with_mtp(arch: &str, layout: &str, seed: u64) -> (tempfile::TempD
 }
 
 /// The drafter on `loaded`, waited for (a tiny target's step is microseconds: the default
-/// deadline of a few target steps would drop every draft).
+/// deadline of a few target steps would drop every draft), proposing every draft (random heads
+/// are never confident: the default `--min-confidence` would propose none, and these tests are
+/// about what drafts do to the output).
 fn mtp_slot(loaded: &LoadedModel, k: usize) -> ProposerSlot {
-    let spec = DrafterSpec::new(bin_path("mtp")).with_args([format!("--max-draft={k}")]);
+    let spec = DrafterSpec::new(bin_path("mtp"))
+        .with_args([format!("--max-draft={k}"), "--min-confidence=0".to_string()]);
     let config = ClientConfig {
         draft_deadline: Duration::from_secs(10),
         ..ClientConfig::default()
