@@ -33,10 +33,11 @@ pub struct Options {
     /// The ids drafts are picked from (`--draft-vocab`; default: the shipped list, which
     /// reads 16384 of SmolLM2's 49152 head rows).
     pub draft_vocab: VocabChoice,
-    /// A draft is proposed only while the product of the drafts' own probabilities stays at
-    /// or above this (`--min-confidence`; 0 drafts whatever is asked): a round whose first
-    /// draft is unlikely proposes nothing, and no deeper step runs for a chain that is
-    /// unlikely to survive. Each proposed draft carries its probability as its confidence.
+    /// Each proposed draft carries its own probability as its confidence, and the host cuts
+    /// the draft where their product stops paying for a verify row (one rule, the host's:
+    /// it knows the verify cost; a fixed k is verified uncut). This opt-in floor
+    /// (`--min-confidence`; 0, the default, proposes whatever is asked) stops the chain in
+    /// the drafter too, so no deeper block step runs for drafts the host would cut.
     pub min_confidence: f32,
 }
 
@@ -46,7 +47,7 @@ impl Default for Options {
             max_draft: 4,
             linear_dtype: LinearDType::Q8_0,
             draft_vocab: VocabChoice::Shipped,
-            min_confidence: DEFAULT_MIN_CONFIDENCE,
+            min_confidence: 0.0,
         }
     }
 }
@@ -210,11 +211,6 @@ impl Loaded {
         Tensor::from_vec(data, (rows, self.hidden), &Device::Cpu).map_err(|e| e.to_string())
     }
 }
-
-/// The default `--min-confidence`: below it the expected accepted tokens of a draft no longer
-/// pay for its verify row on the CPU (a row costs about a third of a target step, BENCHMARKS'
-/// verify-rows line). Not yet calibrated on the head: the `accept` example prints the table.
-pub const DEFAULT_MIN_CONFIDENCE: f32 = 0.3;
 
 /// `softmax(row)[id]`, in f64 (the draft's own probability: its confidence).
 fn softmax_at(row: &[f32], id: u32) -> f32 {

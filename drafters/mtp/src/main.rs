@@ -36,7 +36,8 @@ struct Args {
     #[arg(long, default_value = "shipped")]
     draft_vocab: VocabChoice,
     /// Propose drafts only while the product of their probabilities stays at or above this
-    /// (0..=1; 0 drafts whatever is asked).
+    /// (0..=1; 0, the default, proposes whatever is asked: the host cuts on the confidences
+    /// every draft carries).
     #[arg(long, default_value_t = Options::default().min_confidence)]
     min_confidence: f32,
 }
