@@ -300,8 +300,8 @@ fn mtp_sampled_output_keeps_the_target_distribution() {
 
 /// The host alone cuts by confidence, and only under the controller. A random-weight head is
 /// never sure of its drafts: each carries its own probability (near 1 / vocabulary), under the
-/// lowest floor, so under the controller the host gives them no verify row although the drafter
-/// was asked and answered; under a fixed k the same drafter's drafts are all verified. The output
+/// lowest floor, so under the controller the host cuts them all (`confidence_cut`) and gives
+/// them no verify row; under a fixed k the same drafter's drafts are all verified. The output
 /// is plain's either way.
 #[test]
 fn the_host_cuts_the_mtp_drafters_unsure_drafts_under_the_controller_only() {
@@ -325,6 +325,7 @@ fn the_host_cuts_the_mtp_drafters_unsure_drafts_under_the_controller_only() {
         "a fixed k verifies the drafts as sent (3 a round, fewer only at the end): {:?}",
         fixed.stats
     );
+    assert_eq!(fixed.stats.confidence_cut, 0, "a fixed k is never cut");
     let mut req = request(3, &prompt, 24, SamplingParams::default(), 0);
     req.speculation = Speculation::Adaptive {
         max_draft_tokens: 3,
@@ -332,8 +333,8 @@ fn the_host_cuts_the_mtp_drafters_unsure_drafts_under_the_controller_only() {
     let controlled = run(&loaded, &slot, &req);
     assert_eq!(controlled.token_ids, plain.token_ids, "controller");
     assert!(
-        controlled.stats.draft_ms > 0.0,
-        "the controller asked the drafter: {:?}",
+        controlled.stats.draft_ms > 0.0 && controlled.stats.confidence_cut > 0,
+        "the controller asked the drafter and cut what it sent: {:?}",
         controlled.stats
     );
     assert_eq!(
