@@ -157,7 +157,8 @@ fn tiny_target_with_mtp(arch: &str, layout: &str, seed: u64) -> (tempfile::TempD
 }
 
 /// The drafter on `loaded`, waited for (a tiny target's step is microseconds: the default
-/// deadline of a few target steps would drop every draft).
+/// deadline of a few target steps would drop every draft). It proposes every draft asked for
+/// (its own `--min-confidence` is off by default), each with its probability as confidence.
 fn mtp_slot(loaded: &LoadedModel, k: usize) -> ProposerSlot {
     let spec = DrafterSpec::new(bin_path("mtp")).with_args([format!("--max-draft={k}")]);
     let config = ClientConfig {
@@ -295,4 +296,50 @@ fn mtp_sampled_output_keeps_the_target_distribution() {
             critical(df)
         );
     }
+}
+
+/// The host alone cuts by confidence, and only under the controller. A random-weight head is
+/// never sure of its drafts: each carries its own probability (near 1 / vocabulary), under the
+/// lowest floor, so under the controller the host cuts them all (`confidence_cut`) and gives
+/// them no verify row; under a fixed k the same drafter's drafts are all verified. The output
+/// is plain's either way.
+#[test]
+fn the_host_cuts_the_mtp_drafters_unsure_drafts_under_the_controller_only() {
+    let (_dir, loaded) = tiny_target_with_mtp("llama", "deepseek", 7);
+    let prompt = [5, 17, 33, 8, 40, 41];
+    let none = ProposerSlot::new(None);
+    let plain = run(
+        &loaded,
+        &none,
+        &request(1, &prompt, 24, SamplingParams::default(), 0),
+    );
+    let slot = mtp_slot(&loaded, 3);
+    let fixed = run(
+        &loaded,
+        &slot,
+        &request(2, &prompt, 24, SamplingParams::default(), 3),
+    );
+    assert_eq!(fixed.token_ids, plain.token_ids, "fixed k");
+    assert!(
+        fixed.stats.drafted >= 2 * fixed.stats.rounds && fixed.stats.rounds > 0,
+        "a fixed k verifies the drafts as sent (3 a round, fewer only at the end): {:?}",
+        fixed.stats
+    );
+    assert_eq!(fixed.stats.confidence_cut, 0, "a fixed k is never cut");
+    let mut req = request(3, &prompt, 24, SamplingParams::default(), 0);
+    req.speculation = Speculation::Adaptive {
+        max_draft_tokens: 3,
+    };
+    let controlled = run(&loaded, &slot, &req);
+    assert_eq!(controlled.token_ids, plain.token_ids, "controller");
+    assert!(
+        controlled.stats.draft_ms > 0.0 && controlled.stats.confidence_cut > 0,
+        "the controller asked the drafter and cut what it sent: {:?}",
+        controlled.stats
+    );
+    assert_eq!(
+        (controlled.stats.drafted, controlled.stats.target_forwards),
+        (0, plain.stats.target_forwards),
+        "every unsure draft cut: one token per forward, as plain"
+    );
 }

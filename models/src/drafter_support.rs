@@ -7,6 +7,8 @@
 //! lm_head shares the embedding's storage. Nothing here dequantizes a `[vocab, hidden]` matrix,
 //! so a drafter never holds a second dense copy of a 50k–150k-row table.
 //!
+//! [`draft_vocab`]: the draft vocabulary those drafters' heads can be restricted to.
+//!
 //! ```no_run
 //! # fn main() -> specula_models::Result<()> {
 //! use specula_models::drafter_support::TargetParts;
@@ -16,6 +18,8 @@
 //! let tokenizer = parts.tokenizer()?;
 //! # Ok(()) }
 //! ```
+
+pub mod draft_vocab;
 
 use std::path::{Path, PathBuf};
 

@@ -21,6 +21,7 @@ use anyhow::{bail, Context, Result};
 use mtp::feed::{target_info, HostFeed};
 use mtp::{LinearDType, MtpDrafter, Options, WeightsSource};
 use serde_json::{json, Value};
+use specula_models::drafter_support::draft_vocab::VocabChoice;
 use specula_models::loader::{load, LoadOptions};
 use specula_models::{ForwardRequest, Rows, TapId, WeightDType};
 use specula_protocol::sdk::Drafter;
@@ -33,6 +34,7 @@ struct Args {
     weights: PathBuf,
     json: Option<PathBuf>,
     linear_dtype: LinearDType,
+    draft_vocab: VocabChoice,
 }
 
 fn args() -> Result<Args> {
@@ -45,6 +47,7 @@ fn args() -> Result<Args> {
         weights: root.join("drafters/weights/smollm2-135m/mtp"),
         json: None,
         linear_dtype: LinearDType::Stored,
+        draft_vocab: VocabChoice::Full,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -62,6 +65,7 @@ fn args() -> Result<Args> {
             "--prompts" => a.prompts = val()?.into(),
             "--weights" => a.weights = val()?.into(),
             "--json" => a.json = Some(val()?.into()),
+            "--draft-vocab" => a.draft_vocab = val()?.parse().map_err(anyhow::Error::msg)?,
             "--linear-dtype" => {
                 a.linear_dtype = match val()?.as_str() {
                     "stored" => LinearDType::Stored,
@@ -70,7 +74,7 @@ fn args() -> Result<Args> {
                 }
             }
             other => bail!(
-                "unknown argument {other} (--model, --dtype, --new, --prompts, --weights, --json, --linear-dtype)"
+                "unknown argument {other} (--model, --dtype, --new, --prompts, --weights, --json, --linear-dtype, --draft-vocab)"
             ),
         }
     }
@@ -97,12 +101,17 @@ fn main() -> Result<()> {
         Options {
             max_draft: 2,
             linear_dtype: a.linear_dtype,
+            draft_vocab: a.draft_vocab,
+            // Every position drafts: the confidences are binned below instead.
+            min_confidence: 0.0,
         },
     )?;
     d.accept_target(&target).map_err(anyhow::Error::msg)?;
     let fixture: Value = serde_json::from_str(&std::fs::read_to_string(&a.prompts)?)?;
     let hidden = c.hidden_size;
     let mut tally: BTreeMap<String, Tally> = BTreeMap::new();
+    // First drafts by confidence decile: [drafted, accepted].
+    let mut bins = [[0.0f64; 2]; 10];
     let cases = fixture["cases"].as_array().context("cases")?;
     for (session, case) in (1..).zip(cases) {
         let tag = case["tag"].as_str().context("tag")?.to_string();
@@ -146,9 +155,15 @@ fn main() -> Result<()> {
                 feed.commit(&mut d, session, t, 1);
             }
             let start = Instant::now();
-            let got = d.draft(session, &[], 2).tokens;
+            let proposal = d.draft(session, &[], 2);
             t_case.0[4] += start.elapsed().as_secs_f64();
+            let got = proposal.tokens;
             let hit = got.first() == Some(&seq[t + 2]);
+            if let Some(&c) = proposal.confidence.as_ref().and_then(|c| c.first()) {
+                let bin = &mut bins[((c * 10.0) as usize).min(9)];
+                bin[0] += 1.0;
+                bin[1] += f64::from(u8::from(hit));
+            }
             t_case.0[0] += f64::from(u8::from(hit));
             t_case.0[1] += 1.0;
             if hit && t + 3 < seq.len() {
@@ -191,6 +206,31 @@ fn main() -> Result<()> {
             json!({"positions": s[1], "first_token_acceptance": first,
                    "second_token_acceptance_given_first": second, "tau_excl_bonus_k2": tau,
                    "draft_ms_k2": ms}),
+        );
+    }
+    // What a `--min-confidence` T would keep of the first drafts (k = 1 rounds).
+    println!("first-draft confidence  drafts  accepted");
+    for (i, [n, hit]) in bins.iter().enumerate() {
+        println!(
+            "{:.1}..{:.1}                {n:>6}  {:.3}",
+            i as f64 / 10.0,
+            (i + 1) as f64 / 10.0,
+            hit / n.max(1.0)
+        );
+    }
+    let total: f64 = bins.iter().map(|b| b[0]).sum();
+    println!("min-confidence  drafted  accepted of drafted  accepted per position");
+    for t in 1..=6 {
+        let kept = &bins[t..];
+        let (n, hit): (f64, f64) = kept
+            .iter()
+            .fold((0.0, 0.0), |a, b| (a.0 + b[0], a.1 + b[1]));
+        println!(
+            "{:.1}             {:.3}    {:.3}                {:.3}",
+            t as f64 / 10.0,
+            n / total.max(1.0),
+            hit / n.max(1.0),
+            hit / total.max(1.0)
         );
     }
     if let Some(path) = &a.json {

@@ -2,11 +2,11 @@
 //! opened on `--context` positions, then `--rounds` rounds of what a verify loop asks after a
 //! round that accepted `--accepted` drafts (one `Commit` of `accepted + 1` rows with their
 //! hiddens, one `Draft` of `--k`). The hiddens are random unit-RMS rows (the cost does not depend
-//! on their values). Prints wall ms per round; for CPU time run it under
-//! `RAYON_NUM_THREADS=1 /usr/bin/time -f %U` (or `perf record`), A/B against another build.
+//! on their values). Prints wall and CPU ms per round (the rounds only, not the load); run it under
+//! `RAYON_NUM_THREADS=1` for one thread, A/B against another build.
 //!
 //! ```text
-//! cargo run -p mtp --example round -- --k 2 --rounds 300 [--linear-dtype q8_0]
+//! cargo run -p mtp --example round -- --k 2 --rounds 300 [--linear-dtype q8_0] [--draft-vocab shipped]
 //! ```
 
 use std::path::PathBuf;
@@ -17,6 +17,7 @@ use mtp::feed::{target_info, HostFeed};
 use mtp::{LinearDType, MtpDrafter, Options, WeightsSource};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use specula_models::drafter_support::draft_vocab::VocabChoice;
 use specula_models::drafter_support::TargetParts;
 use specula_protocol::sdk::Drafter;
 
@@ -28,6 +29,7 @@ fn main() -> Result<()> {
     );
     let (mut k, mut rounds, mut context, mut accepted) = (2usize, 200usize, 256usize, 1usize);
     let mut linear_dtype = LinearDType::Stored;
+    let mut draft_vocab = VocabChoice::Full;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut val = || it.next().with_context(|| format!("{flag} needs a value"));
@@ -38,6 +40,7 @@ fn main() -> Result<()> {
             "--rounds" => rounds = val()?.parse()?,
             "--context" => context = val()?.parse()?,
             "--accepted" => accepted = val()?.parse()?,
+            "--draft-vocab" => draft_vocab = val()?.parse().map_err(anyhow::Error::msg)?,
             "--linear-dtype" => {
                 linear_dtype = match val()?.as_str() {
                     "stored" => LinearDType::Stored,
@@ -56,6 +59,9 @@ fn main() -> Result<()> {
         Options {
             max_draft: k,
             linear_dtype,
+            draft_vocab,
+            // Random hiddens give unsure drafts: every round drafts k here.
+            min_confidence: 0.0,
         },
     )?;
     d.accept_target(&target).map_err(anyhow::Error::msg)?;
@@ -75,7 +81,7 @@ fn main() -> Result<()> {
     };
     feed.open(&mut d, 1, context);
     let (mut pos, mut drafted) = (context, 0);
-    let start = Instant::now();
+    let (start, cpu0) = (Instant::now(), cpu_seconds());
     for _ in 0..rounds {
         let n = accepted + 1;
         feed.commit(&mut d, 1, pos, n);
@@ -83,9 +89,24 @@ fn main() -> Result<()> {
         drafted += d.draft(1, &[], k).tokens.len();
     }
     let ms = start.elapsed().as_secs_f64() * 1e3 / rounds as f64;
+    let cpu = match (cpu0, cpu_seconds()) {
+        (Some(a), Some(b)) => format!("{:.3}", (b - a) * 1e3 / rounds as f64),
+        _ => "?".into(),
+    };
     println!(
-        "k {k}, accepted {accepted}, context {context}: {ms:.3} ms wall a round \
+        "k {k}, accepted {accepted}, context {context}: {ms:.3} ms wall, {cpu} ms CPU a round \
          ({drafted} drafts in {rounds} rounds)"
     );
     Ok(())
+}
+
+/// User + system CPU seconds of this process so far (Linux `/proc/self/stat`, 100 ticks a
+/// second), so the load of the parts is not counted.
+fn cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised name: state is field 3, utime 14, stime 15.
+    let rest = stat.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let (u, s): (f64, f64) = (f.get(11)?.parse().ok()?, f.get(12)?.parse().ok()?);
+    Some((u + s) / 100.0)
 }

@@ -8,8 +8,9 @@
 use std::collections::HashMap;
 
 use candle_core::{Device, Tensor};
+use specula_models::drafter_support::draft_vocab::{self, DraftVocab, VocabChoice};
 use specula_models::drafter_support::TargetParts;
-use specula_models::sampling::{Sampler, SamplingParams};
+use specula_models::sampling::{argmax, Sampler, SamplingParams};
 use specula_protocol::sdk::{
     AdvanceArgs, Advanced, CommitArgs, Drafter, DrafterInfo, OpenArgs, Proposal, Taps,
 };
@@ -17,18 +18,27 @@ use specula_protocol::wire::{Capabilities, PrefillMode, SamplingSpec, SessionId,
 use tracing::{debug, info, warn};
 
 use crate::config::MtpConfig;
-use crate::model::{argmax_rows, LinearDType, Mtp};
+use crate::model::{LinearDType, Mtp};
 use crate::state::{Core, Session};
 use crate::weights::{self, WeightsSource};
 use crate::{fwd, Error};
 
 /// How the drafter runs (command-line options).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Options {
     /// The most drafts per round (`--max-draft`; MiMo: 1 whatever this says).
     pub max_draft: usize,
     /// How the module's own projections are kept (`--linear-dtype`).
     pub linear_dtype: LinearDType,
+    /// The ids drafts are picked from (`--draft-vocab`; default: the shipped list, which
+    /// reads 16384 of SmolLM2's 49152 head rows).
+    pub draft_vocab: VocabChoice,
+    /// Each proposed draft carries its own probability as its confidence, and the host cuts
+    /// the draft where their product stops paying for a verify row (one rule, the host's:
+    /// it knows the verify cost; a fixed k is verified uncut). This opt-in floor
+    /// (`--min-confidence`; 0, the default, proposes whatever is asked) stops the chain in
+    /// the drafter too, so no deeper block step runs for drafts the host would cut.
+    pub min_confidence: f32,
 }
 
 impl Default for Options {
@@ -36,6 +46,8 @@ impl Default for Options {
         Options {
             max_draft: 4,
             linear_dtype: LinearDType::Q8_0,
+            draft_vocab: VocabChoice::Shipped,
+            min_confidence: 0.0,
         }
     }
 }
@@ -46,7 +58,6 @@ struct Loaded {
     caps: Capabilities,
     max_pos: usize,
     hidden: usize,
-    vocab: usize,
 }
 
 /// One session: the MTP state and how the target samples.
@@ -67,10 +78,16 @@ impl MtpDrafter {
     /// A drafter that loads its module from `source` once it knows the target.
     ///
     /// # Errors
-    /// [`Error::Options`] for `max_draft` 0.
+    /// [`Error::Options`] for `max_draft` 0 or a `min_confidence` outside `0..=1`.
     pub fn new(source: WeightsSource, options: Options) -> Result<Self, Error> {
         if options.max_draft == 0 {
             return Err(Error::Options("--max-draft must be at least 1".into()));
+        }
+        if !(0.0..=1.0).contains(&options.min_confidence) {
+            return Err(Error::Options(format!(
+                "--min-confidence must be in 0..=1, got {}",
+                options.min_confidence
+            )));
         }
         Ok(MtpDrafter {
             source,
@@ -115,13 +132,17 @@ impl MtpDrafter {
             "MTP module loaded"
         );
         let (hidden, vocab) = (config.hidden_size, config.vocab_size);
+        let d2t = draft_vocab::resolve(&dir, self.options.draft_vocab, vocab)?
+            .map(|ids| DraftVocab::new(ids, vocab))
+            .transpose()?;
+        info!(
+            draft_vocab = d2t.as_ref().map_or(vocab, DraftVocab::len),
+            min_confidence = self.options.min_confidence,
+            "MTP draft head"
+        );
         let mtp = Mtp::load(config, &mut weights, max_pos, self.options.linear_dtype)?;
         self.loaded = Some(Loaded {
-            core: Core {
-                mtp,
-                embedding: parts.embedding,
-                lm_head: parts.lm_head,
-            },
+            core: Core::new(mtp, parts.embedding, parts.lm_head, d2t)?,
             caps: Capabilities {
                 max_draft_len: depth as u32,
                 prefill: PrefillMode::LeaveLastPending,
@@ -131,7 +152,6 @@ impl MtpDrafter {
             },
             max_pos,
             hidden,
-            vocab,
         });
         Ok(())
     }
@@ -192,6 +212,13 @@ impl Loaded {
     }
 }
 
+/// `softmax(row)[id]`, in f64 (the draft's own probability: its confidence).
+fn softmax_at(row: &[f32], id: u32) -> f32 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = row.iter().map(|&x| f64::from(x - max).exp()).sum();
+    (f64::from(row[id as usize] - max).exp() / sum) as f32
+}
+
 /// Mixed into the request seed: the host's sampler is seeded with the same seed, and drafts
 /// drawn from the same stream as the host's accept/reject uniforms would be correlated with
 /// them (rejection sampling needs them independent).
@@ -249,27 +276,46 @@ impl Drafter for MtpDrafter {
         };
         e.state.extend_blind(new_tokens);
         let sampled = !e.sampler.params().is_greedy();
-        let mut q = Vec::new();
-        let vocab = m.vocab;
-        let sampler = &mut e.sampler;
-        let mut pick = |logits: &Tensor| -> Result<u32, Error> {
-            if !sampled {
-                return Ok(argmax_rows(logits)?[0]);
-            }
+        let (mut q, mut confidence) = (Vec::new(), Vec::new());
+        let core = &m.core;
+        let (sampler, floor) = (&mut e.sampler, self.options.min_confidence);
+        let mut reach = 1.0f32;
+        let mut pick = |logits: &Tensor| -> Result<Option<u32>, Error> {
             let row: Vec<f32> = logits
                 .flatten_all()
                 .and_then(|t| t.to_vec1())
                 .map_err(fwd)?;
-            let dist = sampler.distribution(&row, &[]);
-            let id = sampler.draw(&dist);
-            q.push(dist.to_dense(vocab));
-            Ok(id)
+            let (id, p, dist) = match sampled {
+                false => {
+                    let id = argmax(&row);
+                    (id, softmax_at(&row, id), None)
+                }
+                true => {
+                    let dist = sampler.distribution(&row, &[]);
+                    let id = sampler.draw(&dist);
+                    (id, dist.prob(id), Some(dist))
+                }
+            };
+            reach *= p;
+            if reach < floor {
+                return Ok(None);
+            }
+            if let Some(dist) = dist {
+                let dense = dist.to_dense(row.len());
+                q.push(match core.vocab() {
+                    Some(v) => v.scatter(&dense),
+                    None => dense,
+                });
+            }
+            confidence.push(p.clamp(0.0, 1.0));
+            Ok(Some(id))
         };
-        match e.state.draft(&m.core, n, m.max_pos, &mut pick) {
+        let result = e.state.draft(core, n, m.max_pos, &mut pick);
+        match result {
             Ok(d) => Proposal {
                 tokens: d,
                 q: sampled.then_some(q),
-                confidence: None,
+                confidence: Some(confidence),
             },
             Err(err) => {
                 warn!(session, error = %err, "drafting failed; proposing nothing");

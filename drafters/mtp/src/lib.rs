@@ -79,6 +79,9 @@ pub enum Error {
     /// A bad command-line option.
     #[error("{0}")]
     Options(String),
+    /// The draft vocabulary cannot be used.
+    #[error(transparent)]
+    Vocab(#[from] specula_models::drafter_support::draft_vocab::VocabError),
     /// A forward failed.
     #[error("MTP forward failed: {0}")]
     Forward(String),

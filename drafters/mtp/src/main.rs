@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use mtp::weights::default_root;
 use mtp::{LinearDType, MtpDrafter, Options, WeightsSource};
+use specula_models::drafter_support::draft_vocab::VocabChoice;
 
 /// Command line of the drafter.
 #[derive(Parser, Debug)]
@@ -30,6 +31,15 @@ struct Args {
     /// output never does).
     #[arg(long, default_value = "q8_0")]
     linear_dtype: String,
+    /// The ids drafts are picked from: `shipped` (the `draft_vocab.json` beside the weights,
+    /// else the whole vocabulary), `off` (the whole vocabulary) or N (the list's first N).
+    #[arg(long, default_value = "shipped")]
+    draft_vocab: VocabChoice,
+    /// Propose drafts only while the product of their probabilities stays at or above this
+    /// (0..=1; 0, the default, proposes whatever is asked: the host cuts on the confidences
+    /// every draft carries).
+    #[arg(long, default_value_t = Options::default().min_confidence)]
+    min_confidence: f32,
 }
 
 fn main() -> ExitCode {
@@ -55,6 +65,8 @@ fn main() -> ExitCode {
     let options = Options {
         max_draft: args.max_draft,
         linear_dtype,
+        draft_vocab: args.draft_vocab,
+        min_confidence: args.min_confidence,
     };
     match MtpDrafter::new(source, options) {
         Ok(drafter) => specula_protocol::sdk::serve(drafter),

@@ -305,16 +305,9 @@ impl Mtp {
         }
     }
 
-    /// Logits `[n, vocab]` of `post` rows: the module's own head, else `lm_head` (the target's).
-    ///
-    /// # Errors
-    /// [`Error::Forward`] on a shape mismatch.
-    pub fn logits(&self, post: &Tensor, lm_head: &Linear) -> Result<Tensor, Error> {
-        self.head
-            .as_ref()
-            .unwrap_or(lm_head)
-            .forward(post)
-            .map_err(fwd)
+    /// The module's own head (DeepSeek `shared_head.head`), when the checkpoint has one.
+    pub fn head(&self) -> Option<&Linear> {
+        self.head.as_ref()
     }
 
     /// Projects `xs` `[n, heads × d]` to `[n][heads][d]` values, per-head normed and rotated

@@ -14,6 +14,7 @@
 //! ```
 
 use candle_core::Tensor;
+use specula_models::drafter_support::draft_vocab::{select_rows, DraftVocab};
 use specula_models::layers::{Embedding, Linear};
 
 use crate::model::{Cache, Mtp, Step};
@@ -22,14 +23,62 @@ use crate::{fwd, Error};
 /// Rows per forward when a window is long (a prompt).
 pub const CHUNK: usize = 128;
 
-/// The target's parts an MTP step needs, with the module.
+/// The target's parts an MTP step needs, with the module and the head drafts are picked with.
 pub struct Core {
     /// The MTP module.
     pub mtp: Mtp,
     /// The target's token embedding (shared by every layout).
     pub embedding: Embedding,
-    /// The target's lm_head (used when the module has no head of its own).
-    pub lm_head: Linear,
+    /// The module's own head, else the target's lm_head, restricted to the draft vocabulary
+    /// when there is one.
+    head: Linear,
+    /// Draft-head row → vocabulary id (`None`: the rows are the vocabulary).
+    vocab: Option<DraftVocab>,
+}
+
+impl Core {
+    /// The parts over `mtp`: drafts come from its own head when it has one, else from the
+    /// target's `lm_head`, over `vocab`'s ids only when given (the head's rows are copied out
+    /// once, in their own storage).
+    ///
+    /// # Errors
+    /// [`Error::Forward`] when a draft id is past the head's rows.
+    pub fn new(
+        mtp: Mtp,
+        embedding: Embedding,
+        lm_head: Linear,
+        vocab: Option<DraftVocab>,
+    ) -> Result<Self, Error> {
+        let full = mtp.head().unwrap_or(&lm_head);
+        let head = match &vocab {
+            Some(v) => select_rows(full, v.ids()).map_err(fwd)?,
+            None => full.clone(),
+        };
+        Ok(Core {
+            mtp,
+            embedding,
+            head,
+            vocab,
+        })
+    }
+
+    /// Logits `[n, draft rows]` of `post` rows (after the out norm).
+    ///
+    /// # Errors
+    /// [`Error::Forward`] on a shape mismatch.
+    pub fn logits(&self, post: &Tensor) -> Result<Tensor, Error> {
+        self.head.forward(post).map_err(fwd)
+    }
+
+    /// The draft vocabulary, when drafts are restricted to one.
+    pub fn vocab(&self) -> Option<&DraftVocab> {
+        self.vocab.as_ref()
+    }
+
+    /// The vocabulary id of draft-head row `row`.
+    pub fn id(&self, row: u32) -> u32 {
+        self.vocab.as_ref().map_or(row, |v| v.id(row))
+    }
 }
 
 /// One session's state.
@@ -134,7 +183,9 @@ impl Session {
     }
 
     /// Drafts up to `n` ids (fewer at `max_pos` or the layout's depth limit); `pick` chooses
-    /// each id from its logits `[1, vocab]` (and may keep them: nothing else is copied out).
+    /// each from its logits `[1, draft rows]`, as a draft-head row (and may keep them: nothing
+    /// else is copied out), or `None` to stop there (the drafter's confidence rule), and no
+    /// deeper step runs.
     ///
     /// # Errors
     /// [`Error::Forward`] when a step fails.
@@ -143,7 +194,7 @@ impl Session {
         core: &Core,
         n: usize,
         max_pos: usize,
-        pick: &mut dyn FnMut(&Tensor) -> Result<u32, Error>,
+        pick: &mut dyn FnMut(&Tensor) -> Result<Option<u32>, Error>,
     ) -> Result<Vec<u32>, Error> {
         let mtp = &core.mtp;
         let depth = mtp.config().max_depth.map_or(n, |d| n.min(d));
@@ -163,8 +214,10 @@ impl Session {
                     let h = mtp.recycled(&step).clone();
                     step = mtp.forward(&mut self.cache, &h, &emb, self.pos - 1 + j)?;
                 }
-                let logits = mtp.logits(&step.post, &core.lm_head)?;
-                out.push(pick(&logits)?);
+                match pick(&core.logits(&step.post)?)? {
+                    Some(row) => out.push(core.id(row)),
+                    None => break,
+                }
             }
             Ok(())
         })();

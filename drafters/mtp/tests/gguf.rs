@@ -13,6 +13,7 @@ use mtp::feed::{target_info, HostFeed};
 use mtp::{LinearDType, MtpDrafter, Options, WeightsSource};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use specula_models::drafter_support::draft_vocab::VocabChoice;
 use specula_models::testing::TinyModel;
 use specula_models::{load_model, ForwardRequest, LoadOptions, Model, Rows, TapId, WeightDType};
 use specula_protocol::sdk::Drafter;
@@ -97,6 +98,9 @@ fn drafts(target: &TargetInfo, seq: &[u32], h: &[f32], hidden: usize) -> Vec<Vec
         Options {
             max_draft: 3,
             linear_dtype: LinearDType::Stored,
+            // The references' numerics: every row of the vocabulary, every draft proposed.
+            draft_vocab: VocabChoice::Full,
+            min_confidence: 0.0,
         },
     )
     .expect("options");

@@ -40,11 +40,7 @@ fn load_as(case: &str, edit: impl FnOnce(&mut MtpConfig), dtype: LinearDType) ->
         .expect("the target's embedding and lm_head");
     let mtp = Mtp::load(config.clone(), &mut w, 512, dtype).expect("module");
     (
-        Core {
-            mtp,
-            embedding,
-            lm_head,
-        },
+        Core::new(mtp, embedding, lm_head, None).expect("core"),
         config,
     )
 }
@@ -68,7 +64,7 @@ fn greedy(session: &mut Session, core: &Core, k: usize) -> Drafts {
     let mut logits = Vec::new();
     let mut pick = |l: &candle_core::Tensor| {
         logits.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-        Ok(argmax_rows(l)?[0])
+        Ok(Some(argmax_rows(l)?[0]))
     };
     let tokens = session.draft(core, k, 512, &mut pick).unwrap();
     Drafts { tokens, logits }

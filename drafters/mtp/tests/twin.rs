@@ -17,6 +17,7 @@
 use mtp::feed::{target_info, HostFeed};
 use mtp::{LinearDType, MtpDrafter, Options, WeightsSource};
 use serde_json::Value;
+use specula_models::drafter_support::draft_vocab::VocabChoice;
 use specula_models::testing::{real_model, repo_root};
 use specula_models::{load_model, ForwardRequest, LoadOptions, Rows, TapId, WeightDType};
 use specula_protocol::sdk::Drafter;
@@ -69,6 +70,9 @@ fn shipped_smollm2_mtp_drafts_what_its_pytorch_twin_drafts() {
         Options {
             max_draft: 2,
             linear_dtype: LinearDType::Stored,
+            // The references' numerics: every row of the vocabulary, every draft proposed.
+            draft_vocab: VocabChoice::Full,
+            min_confidence: 0.0,
         },
     )
     .expect("drafter options");
