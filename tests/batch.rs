@@ -12,7 +12,7 @@ use specula_models::loader::{load, LoadOptions, LoadedModel};
 use specula_models::sampling::SamplingParams;
 use specula_models::tokenizer::Special;
 use specula_models::WeightDType;
-use specula_tests::proposers::BadProposer;
+use specula_tests::proposers::{BadProposer, ScriptProposer};
 use specula_tests::tiny::tiny_loaded;
 use specula_tests::{bin_path, model_path};
 use target_host::drafter::{ClientConfig, DrafterClient, DrafterSpec};
@@ -215,6 +215,70 @@ fn a_fixed_k_drafts_every_round_beside_a_controlled_sequence() {
     // Fixed k: every round drafts 4, but the last ones (max_tokens caps the tail).
     assert!(f.drafted >= 4 * (f.target_forwards - 4), "{f:?}");
     assert_eq!(f.accepted, 0, "the bad drafter is never right");
+}
+
+/// The host is the one owner of the confidence cut. Under the controller, drafts whose
+/// confidences say they are not worth a verify row get none (here every one: 0.05 is under
+/// the lowest floor); a fixed k verifies every draft sent, whatever its confidence. The output
+/// is the solo plain output either way (the drafts are right: only the cut differs).
+#[test]
+fn the_host_cuts_unconfident_drafts_under_the_controller_and_never_under_a_fixed_k() {
+    let (_dir, loaded) = tiny_loaded("llama", 7);
+    let prompt = [5, 6, 7, 8];
+    let solo = solo_plain(&loaded, &request(1, &prompt, 24, Speculation::Off));
+    let config = EngineConfig {
+        profile: false,
+        ..EngineConfig::default()
+    };
+    let run = |speculation| {
+        let script = ScriptProposer::new(&prompt, &solo).with_confidence(0.05);
+        let sent = script.sent();
+        let req = request(1, &prompt, 24, speculation);
+        let got = batch(&loaded, Some(Box::new(script)), config.clone(), &[req]);
+        (got[0].clone(), sent.load(Ordering::Relaxed))
+    };
+    let plain = batch(
+        &loaded,
+        None,
+        config.clone(),
+        &[request(1, &prompt, 24, Speculation::Off)],
+    );
+    let plain_forwards = plain[0].stats.target_forwards;
+    assert!(
+        plain_forwards > 10,
+        "a long enough run: {:?}",
+        plain[0].stats
+    );
+    let (controlled, sent) = run(Speculation::Adaptive {
+        max_draft_tokens: 4,
+    });
+    assert_eq!(controlled.token_ids, solo);
+    assert!(sent > 0, "the drafter was asked");
+    assert_eq!(
+        controlled.stats.drafted, 0,
+        "every unconfident draft was cut"
+    );
+    assert_eq!(
+        controlled.stats.target_forwards, plain_forwards,
+        "one token per forward: no verify rows for drafts"
+    );
+    let (fixed, sent) = run(Speculation::On {
+        num_draft_tokens: 4,
+    });
+    assert_eq!(fixed.token_ids, solo);
+    assert_eq!(
+        fixed.stats.drafted, sent,
+        "a fixed k verifies every draft sent"
+    );
+    assert_eq!(
+        fixed.stats.accepted, sent,
+        "and the oracle's drafts are all accepted"
+    );
+    assert!(
+        fixed.stats.target_forwards * 3 < plain_forwards,
+        "{:?}",
+        fixed.stats
+    );
 }
 
 /// A proposer whose drafts wait until the test opens the gate: holds the engine inside a step.

@@ -31,9 +31,11 @@ pub struct DrafterArgs {
     /// Most drafts per round (k); exactly k with `--fixed-draft`.
     #[arg(long, default_value_t = DEFAULT_NUM_DRAFT_TOKENS)]
     pub num_draft_tokens: usize,
-    /// Always draft `--num-draft-tokens` per round instead of letting the speculation
-    /// controller choose each sequence's k in `0..=--num-draft-tokens` from the measured verify
-    /// cost, draft latency and acceptance (`target_host::engine::controller`, the default).
+    /// Always draft `--num-draft-tokens` per round and verify every draft the drafter sends
+    /// (its confidences cut nothing), instead of letting the speculation controller choose
+    /// each sequence's k in `0..=--num-draft-tokens` from the measured verify cost, draft
+    /// latency and acceptance, and cut drafts whose confidences fall below the break-even
+    /// reach of a verify row (`target_host::engine::controller`, the default).
     #[arg(long, conflicts_with = "adaptive_draft")]
     pub fixed_draft: bool,
     /// The controller chooses k (the default; kept so existing scripts keep working).

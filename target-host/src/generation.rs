@@ -19,17 +19,26 @@ use crate::proposer::{ProposerSlot, SessionId};
 pub enum Speculation {
     /// Decode one token per target forward; the drafter is not asked.
     Off,
-    /// Ask the current drafter for up to `num_draft_tokens` tokens per round.
+    /// Ask the current drafter for `num_draft_tokens` tokens every round and verify all it
+    /// sends: its confidences, if any, cut nothing (a fixed k is the caller's choice).
     On {
         /// Drafts per round (k).
         num_draft_tokens: usize,
     },
     /// Ask for up to `max_draft_tokens` per round, the engine choosing each round's k (0
-    /// included) to maximise committed tokens per second ([`crate::engine::controller`]).
+    /// included) to maximise committed tokens per second ([`crate::engine::controller`]), and
+    /// cutting each draft where the drafter's confidences say the rest does not pay.
     Adaptive {
         /// Most drafts per round.
         max_draft_tokens: usize,
     },
+}
+
+impl Speculation {
+    /// Whether the engine chooses k (and cuts drafts by confidence).
+    pub fn is_adaptive(self) -> bool {
+        matches!(self, Speculation::Adaptive { .. })
+    }
 }
 
 /// What to generate.

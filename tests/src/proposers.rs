@@ -3,6 +3,8 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use specula_models::sampling::SamplingParams;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use target_host::proposer::{
@@ -101,6 +103,10 @@ pub struct ScriptProposer {
     /// Prompt followed by the continuation.
     full: Vec<u32>,
     context: Vec<u32>,
+    /// Sent with every drafted token, when set.
+    confidence: Option<f32>,
+    /// Draft tokens sent so far.
+    sent: Arc<AtomicUsize>,
 }
 
 impl ScriptProposer {
@@ -109,7 +115,20 @@ impl ScriptProposer {
         ScriptProposer {
             full: prompt.iter().chain(script).copied().collect(),
             context: Vec::new(),
+            confidence: None,
+            sent: Arc::default(),
         }
+    }
+
+    /// Reports `confidence` for every drafted token (however right the drafts are).
+    pub fn with_confidence(mut self, confidence: f32) -> Self {
+        self.confidence = Some(confidence);
+        self
+    }
+
+    /// Counts the draft tokens this proposer sends.
+    pub fn sent(&self) -> Arc<AtomicUsize> {
+        self.sent.clone()
     }
 }
 
@@ -125,10 +144,14 @@ impl Proposer for ScriptProposer {
     }
     fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
         let done = self.context.len();
-        let draft = |n: usize| Draft {
-            tokens: self.full.iter().skip(done).take(n).copied().collect(),
-            q: None,
-            confidence: None,
+        let draft = |n: usize| {
+            let tokens: Vec<u32> = self.full.iter().skip(done).take(n).copied().collect();
+            self.sent.fetch_add(tokens.len(), Ordering::Relaxed);
+            Draft {
+                confidence: self.confidence.map(|c| vec![c; tokens.len()]),
+                tokens,
+                q: None,
+            }
         };
         batch.asks.iter().map(|a| draft(a.n)).collect()
     }

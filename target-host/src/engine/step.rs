@@ -8,8 +8,12 @@
 //! 2. plan: every running sequence contributes `[pending, d1..dk]` with its own k (0: a plain
 //!    decode row) chosen by the [`Controller`] (or fixed by the request); prefill chunks share
 //!    the rest of the token budget;
-//! 3. draft: one batched call to the proposer for every sequence with k > 0; a sequence
-//!    under a grammar keeps only the draft prefix its grammar allows
+//! 3. draft: one batched call to the proposer for every sequence with k > 0. Under the
+//!    controller the host cuts each draft where the drafter's own confidences fall below the
+//!    break-even reach of one more verify row (`confidence_floor`); a fixed k
+//!    ([`Speculation::On`]) verifies every draft sent, uncut. Drafters only report
+//!    confidences: this is the one place a draft is shortened by them. A sequence under a
+//!    grammar keeps only the draft prefix its grammar allows
 //!    ([`crate::grammar::Constraint::check_draft`]);
 //! 4. one target forward over all rows ([`Target::forward`]), logits only where verified;
 //! 5. per sequence: verify (greedy argmax or rejection sampling, each row under the grammar's
@@ -398,7 +402,11 @@ impl<'a> Core<'a> {
             if let PartKind::Decode { asked, draft } = &mut p.kind {
                 if *asked > 0 {
                     *draft = drafts.next().unwrap_or_default();
-                    trim_by_confidence(draft, floor);
+                    // The host alone cuts by confidence, and only what its controller chose:
+                    // a fixed k verifies every draft the drafter sent.
+                    if self.live[p.at].seq.req.speculation.is_adaptive() {
+                        trim_by_confidence(draft, floor);
+                    }
                     // Drafts the grammar forbids would only be rejected: they get no row.
                     if let Some(g) = &mut self.live[p.at].seq.grammar {
                         let valid = g.check_draft(&draft.tokens);
@@ -662,7 +670,7 @@ const CONFIDENCE_FLOOR: f32 = 0.1;
 
 /// Cuts a draft where the drafter's own confidences say the rest is reached less often than
 /// `floor` (DSpark's confidence-scheduled length; SpecDec++'s stopping rule). Drafts without
-/// confidences are kept whole.
+/// confidences are kept whole. Applied to controller-chosen drafts only (see the module docs).
 fn trim_by_confidence(draft: &mut Draft, floor: f32) {
     let Some(conf) = &draft.confidence else {
         return;

@@ -15,7 +15,9 @@
 //! Specula extensions (both optional, ignored by OpenAI clients):
 //! - request `speculative: {"enabled": bool, "num_draft_tokens": int, "adaptive": bool}`
 //!   overrides the server's speculation for one request (it can only change speed, never the
-//!   output); `adaptive` lets the host pick each round's k up to `num_draft_tokens`;
+//!   output); `adaptive` lets the host pick each round's k up to `num_draft_tokens` and cut
+//!   drafts by the drafter's confidences; `adaptive: false` verifies exactly the
+//!   `num_draft_tokens` drafts the drafter sends every round, uncut;
 //! - response `usage.speculative: {drafted, accepted, rounds, mean_accepted_per_round,
 //!   acceptance_rate}`.
 
@@ -61,8 +63,10 @@ pub struct SpeculativeField {
     /// Drafts per round (default: the server's `--num-draft-tokens`); the most per round when
     /// `adaptive`.
     pub num_draft_tokens: Option<usize>,
-    /// `true`: the host picks each round's k in `1..=num_draft_tokens` from the request's
-    /// observed acceptance (`target_host::adaptive`); default: the server's `--adaptive-draft`.
+    /// `true`: the host picks each round's k in `0..=num_draft_tokens` from the verify cost
+    /// and the request's observed acceptance, and cuts drafts by the drafter's confidences
+    /// (`target_host::engine::controller`); `false`: a fixed k, every draft verified uncut;
+    /// default: the server's (`--fixed-draft` makes it `false`).
     pub adaptive: Option<bool>,
 }
 
