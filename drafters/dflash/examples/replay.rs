@@ -58,6 +58,7 @@ fn draft(d: &mut DFlash, session: u64, n: usize) -> Vec<u32> {
 fn main() -> Result<()> {
     let (mut kind, mut k, mut tokens, mut f32) = ("dflash".to_string(), 7usize, 64usize, false);
     let mut cases_file: Option<PathBuf> = None;
+    let mut sim_only = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -65,6 +66,8 @@ fn main() -> Result<()> {
             "--k" => k = args.next().context("--k")?.parse()?,
             "--tokens" => tokens = args.next().context("--tokens")?.parse()?,
             "--f32" => f32 = true,
+            // The simulation only (with --cases): no live run.
+            "--sim-only" => sim_only = true,
             "--cases" => cases_file = Some(args.next().context("--cases")?.into()),
             other => anyhow::bail!("unknown argument {other}"),
         }
@@ -151,11 +154,15 @@ fn main() -> Result<()> {
                     a += ok + 1;
                 }
                 println!(
-                    "{} sim over {} answer tokens: {n} rounds, tau {:.2}, accepted at 1..k {per:?}",
+                    "{} sim {} over {} answer tokens: {n} rounds, tau {:.2}, accepted at 1..k {per:?}",
                     case["tag"].as_str().unwrap_or("?"),
+                    if limit == usize::MAX { "whole" } else { "window" },
                     end - prompt.len(),
                     acc as f64 / n.max(1) as f64
                 );
+            }
+            if sim_only {
+                continue;
             }
         }
         // Live: prefill all but the pending id, Open, then rounds.
