@@ -731,3 +731,123 @@ fn admin_api_swap_to_and_from_dflash_mid_request() {
         "after the swap back: {compared:?}\nnew {new_drafts:?}\nclean {clean_drafts:?}"
     );
 }
+
+/// Per verified round: (drafts proposed, their confidences' count, drafts the host verified).
+struct Cuts {
+    inner: Box<dyn Proposer>,
+    proposed: Option<(usize, usize)>,
+    rounds: Arc<Mutex<Vec<(usize, usize, usize)>>>,
+}
+
+impl Proposer for Cuts {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn wants(&self) -> Wants {
+        self.inner.wants()
+    }
+    fn open(
+        &mut self,
+        session: SessionId,
+        context: &[u32],
+        sampling: &SamplingParams,
+        taps: Option<&TapRows>,
+    ) {
+        self.inner.open(session, context, sampling, taps);
+    }
+    fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
+        let drafts = self.inner.draft(batch);
+        self.proposed = drafts
+            .first()
+            .map(|d| (d.tokens.len(), d.confidence.as_ref().map_or(0, Vec::len)));
+        drafts
+    }
+    fn commit(&mut self, session: SessionId, verdict: &Verdict<'_>) {
+        if let Some((n, c)) = self.proposed.take() {
+            self.rounds.lock().expect("lock").push((n, c, verdict.drafted));
+        }
+        self.inner.commit(session, verdict);
+    }
+    fn advance(&mut self, session: SessionId, ids: &[u32], taps: Option<&TapRows>) {
+        // Proposed drafts the host verified none of (all cut): a round of 0 verified.
+        if let Some((n, c)) = self.proposed.take().filter(|&(n, _)| n > 0) {
+            self.rounds.lock().expect("lock").push((n, c, 0));
+        }
+        self.inner.advance(session, ids, taps);
+    }
+    fn health(&self) -> Health {
+        self.inner.health()
+    }
+    fn incarnation(&self) -> u64 {
+        self.inner.incarnation()
+    }
+    fn close(&mut self, session: SessionId) {
+        self.inner.close(session);
+    }
+}
+
+/// DFlash has no confidence head: its calibrated per-draft confidences reach the host, which
+/// cuts drafts by them under the controller only; a fixed k verifies every draft, uncut. The
+/// output is plain decoding's either way.
+#[test]
+fn dflash_confidences_reach_the_host_and_only_the_controller_cuts() {
+    let (loaded, prompt) = smollm2();
+    let plain = greedy(
+        &loaded,
+        &prompt,
+        &ProposerSlot::new(None),
+        FAULT_TOKENS,
+        &mut |_| {},
+    );
+    let run = |speculation: Speculation| {
+        let rounds = Arc::new(Mutex::new(Vec::new()));
+        let cuts = Cuts {
+            inner: shipped(&loaded, |d| d),
+            proposed: None,
+            rounds: rounds.clone(),
+        };
+        let slot = ProposerSlot::new(Some(Box::new(cuts)));
+        let req = GenerationRequest {
+            session: 1,
+            prompt_ids: prompt.clone(),
+            max_tokens: FAULT_TOKENS,
+            sampling: SamplingParams::default(),
+            stop: vec![],
+            speculation,
+            logprobs: None,
+            grammar: None,
+        };
+        let out = run_engine(
+            &loaded.model,
+            &loaded.tokenizer,
+            &slot,
+            &EngineConfig::default(),
+            &req,
+            &mut |_| Flow::Continue,
+        )
+        .expect("generate");
+        let rounds = rounds.lock().expect("lock").clone();
+        (out.token_ids, rounds)
+    };
+    let (out, fixed) = run(Speculation::On {
+        num_draft_tokens: 7,
+    });
+    assert_eq!(out, plain);
+    assert!(fixed.len() >= 4, "too few rounds: {fixed:?}");
+    for &(n, c, verified) in &fixed {
+        assert_eq!(c, n, "one confidence per draft: {fixed:?}");
+        assert_eq!(verified, n, "a fixed k verifies every draft: {fixed:?}");
+    }
+    let (out, adaptive) = run(Speculation::Adaptive {
+        max_draft_tokens: 7,
+    });
+    assert_eq!(out, plain, "the cut changed the output");
+    assert!(
+        adaptive.iter().all(|&(n, _, verified)| verified <= n),
+        "{adaptive:?}"
+    );
+    assert!(
+        adaptive.iter().any(|&(n, _, verified)| verified < n),
+        "the controller never cut a draft: {adaptive:?}"
+    );
+}
