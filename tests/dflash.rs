@@ -764,7 +764,10 @@ impl Proposer for Cuts {
     }
     fn commit(&mut self, session: SessionId, verdict: &Verdict<'_>) {
         if let Some((n, c)) = self.proposed.take() {
-            self.rounds.lock().expect("lock").push((n, c, verdict.drafted));
+            self.rounds
+                .lock()
+                .expect("lock")
+                .push((n, c, verdict.drafted));
         }
         self.inner.commit(session, verdict);
     }

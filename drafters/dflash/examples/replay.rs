@@ -34,7 +34,12 @@ use specula_protocol::wire::{SamplingSpec, TargetInfo};
 
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
-        .map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|x| x.as_u64())
+                .map(|x| x as u32)
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -131,7 +136,8 @@ fn main() -> Result<()> {
             let t = rows_of(&out)?;
             for limit in [tokens, usize::MAX] {
                 let end = seq.len().min(prompt.len().saturating_add(limit));
-                let (mut a, mut acc, mut n, mut per) = (prompt.len(), 0usize, 0usize, vec![0usize; k]);
+                let (mut a, mut acc, mut n, mut per) =
+                    (prompt.len(), 0usize, 0usize, vec![0usize; k]);
                 while a + 1 < end {
                     let flat: Vec<Vec<f32>> = t.iter().map(|l| l[..a].concat()).collect();
                     session += 1;
@@ -145,7 +151,11 @@ fn main() -> Result<()> {
                     );
                     let tf = draft(&mut d, session, k);
                     d.close(session);
-                    let ok = tf.iter().zip(&seq[a + 1..end]).take_while(|(x, y)| x == y).count();
+                    let ok = tf
+                        .iter()
+                        .zip(&seq[a + 1..end])
+                        .take_while(|(x, y)| x == y)
+                        .count();
                     for p in per.iter_mut().take(ok) {
                         *p += 1;
                     }

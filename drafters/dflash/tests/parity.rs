@@ -566,7 +566,10 @@ fn dflash_confidences_are_calibrated_per_session_and_cut_at_the_threshold() {
     assert!(got[0] > p[0] && got[1] > p[1], "{got:?} vs {p:?}");
     // At a threshold between the learned and the raw confidence: nothing is proposed.
     let mut cut = drafter(conf[0] * 0.75);
-    assert!(!session(&mut cut, 0, 0).tokens.is_empty(), "drafts at first");
+    assert!(
+        !session(&mut cut, 0, 0).tokens.is_empty(),
+        "drafts at first"
+    );
     let skipped = session(&mut cut, 30, 0);
     assert!(skipped.tokens.is_empty(), "{:?}", skipped.confidence);
     assert_eq!(skipped.confidence, Some(Vec::new()));
