@@ -113,13 +113,17 @@ fn fixture_target() -> (tempfile::TempDir, LoadedModel) {
 }
 
 /// One round with drafts as the proposer saw it: the anchor's position, the drafts, how many
-/// the target accepted, and which proposer instance drafted (a swap makes a new one).
+/// the target accepted, and which proposer instance drafted (a swap makes a new one); also how
+/// many confidences came with the drafts and how many drafts the host verified (0 when it cut
+/// them all).
 #[derive(Debug, Clone, PartialEq)]
 struct Round {
     instance: usize,
     pos: usize,
     tokens: Vec<u32>,
     accepted: usize,
+    confidences: usize,
+    verified: usize,
 }
 
 /// A proposer that records its rounds (a batch of one session).
@@ -166,6 +170,8 @@ impl Proposer for Recording {
                 pos: self.pos,
                 tokens: d.tokens.clone(),
                 accepted: 0,
+                confidences: d.confidence.as_ref().map_or(0, Vec::len),
+                verified: 0,
             });
         }
         drafts
@@ -173,6 +179,7 @@ impl Proposer for Recording {
     fn commit(&mut self, session: SessionId, verdict: &Verdict<'_>) {
         if let Some(r) = self.rounds.lock().expect("lock").last_mut() {
             r.accepted = verdict.accepted;
+            r.verified = verdict.drafted;
         }
         self.pos += verdict.committed.len();
         self.inner.commit(session, verdict);
@@ -732,63 +739,6 @@ fn admin_api_swap_to_and_from_dflash_mid_request() {
     );
 }
 
-/// Per verified round: (drafts proposed, their confidences' count, drafts the host verified).
-struct Cuts {
-    inner: Box<dyn Proposer>,
-    proposed: Option<(usize, usize)>,
-    rounds: Arc<Mutex<Vec<(usize, usize, usize)>>>,
-}
-
-impl Proposer for Cuts {
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-    fn wants(&self) -> Wants {
-        self.inner.wants()
-    }
-    fn open(
-        &mut self,
-        session: SessionId,
-        context: &[u32],
-        sampling: &SamplingParams,
-        taps: Option<&TapRows>,
-    ) {
-        self.inner.open(session, context, sampling, taps);
-    }
-    fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
-        let drafts = self.inner.draft(batch);
-        self.proposed = drafts
-            .first()
-            .map(|d| (d.tokens.len(), d.confidence.as_ref().map_or(0, Vec::len)));
-        drafts
-    }
-    fn commit(&mut self, session: SessionId, verdict: &Verdict<'_>) {
-        if let Some((n, c)) = self.proposed.take() {
-            self.rounds
-                .lock()
-                .expect("lock")
-                .push((n, c, verdict.drafted));
-        }
-        self.inner.commit(session, verdict);
-    }
-    fn advance(&mut self, session: SessionId, ids: &[u32], taps: Option<&TapRows>) {
-        // Proposed drafts the host verified none of (all cut): a round of 0 verified.
-        if let Some((n, c)) = self.proposed.take().filter(|&(n, _)| n > 0) {
-            self.rounds.lock().expect("lock").push((n, c, 0));
-        }
-        self.inner.advance(session, ids, taps);
-    }
-    fn health(&self) -> Health {
-        self.inner.health()
-    }
-    fn incarnation(&self) -> u64 {
-        self.inner.incarnation()
-    }
-    fn close(&mut self, session: SessionId) {
-        self.inner.close(session);
-    }
-}
-
 /// DFlash has no confidence head: its calibrated per-draft confidences reach the host, which
 /// cuts drafts by them under the controller only; a fixed k verifies every draft, uncut. The
 /// output is plain decoding's either way.
@@ -804,12 +754,8 @@ fn dflash_confidences_reach_the_host_and_only_the_controller_cuts() {
     );
     let run = |speculation: Speculation| {
         let rounds = Arc::new(Mutex::new(Vec::new()));
-        let cuts = Cuts {
-            inner: shipped(&loaded, |d| d),
-            proposed: None,
-            rounds: rounds.clone(),
-        };
-        let slot = ProposerSlot::new(Some(Box::new(cuts)));
+        let recording = Recording::new(shipped(&loaded, |d| d), 0, &rounds);
+        let slot = ProposerSlot::new(Some(Box::new(recording)));
         let req = GenerationRequest {
             session: 1,
             prompt_ids: prompt.clone(),
@@ -837,20 +783,28 @@ fn dflash_confidences_reach_the_host_and_only_the_controller_cuts() {
     });
     assert_eq!(out, plain);
     assert!(fixed.len() >= 4, "too few rounds: {fixed:?}");
-    for &(n, c, verified) in &fixed {
-        assert_eq!(c, n, "one confidence per draft: {fixed:?}");
-        assert_eq!(verified, n, "a fixed k verifies every draft: {fixed:?}");
+    for r in &fixed {
+        assert_eq!(
+            r.confidences,
+            r.tokens.len(),
+            "one confidence per draft: {r:?}"
+        );
+        assert_eq!(
+            r.verified,
+            r.tokens.len(),
+            "a fixed k verifies every draft: {r:?}"
+        );
     }
     let (out, adaptive) = run(Speculation::Adaptive {
         max_draft_tokens: 7,
     });
     assert_eq!(out, plain, "the cut changed the output");
     assert!(
-        adaptive.iter().all(|&(n, _, verified)| verified <= n),
+        adaptive.iter().all(|r| r.verified <= r.tokens.len()),
         "{adaptive:?}"
     );
     assert!(
-        adaptive.iter().any(|&(n, _, verified)| verified < n),
+        adaptive.iter().any(|r| r.verified < r.tokens.len()),
         "the controller never cut a draft: {adaptive:?}"
     );
 }
