@@ -113,13 +113,17 @@ fn fixture_target() -> (tempfile::TempDir, LoadedModel) {
 }
 
 /// One round with drafts as the proposer saw it: the anchor's position, the drafts, how many
-/// the target accepted, and which proposer instance drafted (a swap makes a new one).
+/// the target accepted, and which proposer instance drafted (a swap makes a new one); also how
+/// many confidences came with the drafts and how many drafts the host verified (0 when it cut
+/// them all).
 #[derive(Debug, Clone, PartialEq)]
 struct Round {
     instance: usize,
     pos: usize,
     tokens: Vec<u32>,
     accepted: usize,
+    confidences: usize,
+    verified: usize,
 }
 
 /// A proposer that records its rounds (a batch of one session).
@@ -166,6 +170,8 @@ impl Proposer for Recording {
                 pos: self.pos,
                 tokens: d.tokens.clone(),
                 accepted: 0,
+                confidences: d.confidence.as_ref().map_or(0, Vec::len),
+                verified: 0,
             });
         }
         drafts
@@ -173,6 +179,7 @@ impl Proposer for Recording {
     fn commit(&mut self, session: SessionId, verdict: &Verdict<'_>) {
         if let Some(r) = self.rounds.lock().expect("lock").last_mut() {
             r.accepted = verdict.accepted;
+            r.verified = verdict.drafted;
         }
         self.pos += verdict.committed.len();
         self.inner.commit(session, verdict);
@@ -729,5 +736,75 @@ fn admin_api_swap_to_and_from_dflash_mid_request() {
     assert!(
         compared.len() >= 2 && compared.iter().all(|(_, same)| *same),
         "after the swap back: {compared:?}\nnew {new_drafts:?}\nclean {clean_drafts:?}"
+    );
+}
+
+/// DFlash has no confidence head: its calibrated per-draft confidences reach the host, which
+/// cuts drafts by them under the controller only; a fixed k verifies every draft, uncut. The
+/// output is plain decoding's either way.
+#[test]
+fn dflash_confidences_reach_the_host_and_only_the_controller_cuts() {
+    let (loaded, prompt) = smollm2();
+    let plain = greedy(
+        &loaded,
+        &prompt,
+        &ProposerSlot::new(None),
+        FAULT_TOKENS,
+        &mut |_| {},
+    );
+    let run = |speculation: Speculation| {
+        let rounds = Arc::new(Mutex::new(Vec::new()));
+        let recording = Recording::new(shipped(&loaded, |d| d), 0, &rounds);
+        let slot = ProposerSlot::new(Some(Box::new(recording)));
+        let req = GenerationRequest {
+            session: 1,
+            prompt_ids: prompt.clone(),
+            max_tokens: FAULT_TOKENS,
+            sampling: SamplingParams::default(),
+            stop: vec![],
+            speculation,
+            logprobs: None,
+            grammar: None,
+        };
+        let out = run_engine(
+            &loaded.model,
+            &loaded.tokenizer,
+            &slot,
+            &EngineConfig::default(),
+            &req,
+            &mut |_| Flow::Continue,
+        )
+        .expect("generate");
+        let rounds = rounds.lock().expect("lock").clone();
+        (out.token_ids, rounds)
+    };
+    let (out, fixed) = run(Speculation::On {
+        num_draft_tokens: 7,
+    });
+    assert_eq!(out, plain);
+    assert!(fixed.len() >= 4, "too few rounds: {fixed:?}");
+    for r in &fixed {
+        assert_eq!(
+            r.confidences,
+            r.tokens.len(),
+            "one confidence per draft: {r:?}"
+        );
+        assert_eq!(
+            r.verified,
+            r.tokens.len(),
+            "a fixed k verifies every draft: {r:?}"
+        );
+    }
+    let (out, adaptive) = run(Speculation::Adaptive {
+        max_draft_tokens: 7,
+    });
+    assert_eq!(out, plain, "the cut changed the output");
+    assert!(
+        adaptive.iter().all(|r| r.verified <= r.tokens.len()),
+        "{adaptive:?}"
+    );
+    assert!(
+        adaptive.iter().any(|r| r.verified < r.tokens.len()),
+        "the controller never cut a draft: {adaptive:?}"
     );
 }

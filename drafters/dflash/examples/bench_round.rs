@@ -10,8 +10,9 @@
 //!     --k 4 --rounds 200 dflash:off dflash:shipped dflash:4096 dspark:shipped:q8_0
 //! ```
 //!
-//! A configuration is `KIND[:VOCAB[:LINEARS]]`: KIND `dflash` or `dspark`, VOCAB a
-//! `--draft-vocab` value (default `shipped`), LINEARS a `--linear-dtype` (default `stored`). The taps are random
+//! A configuration is `KIND[:VOCAB[:LINEARS[:BLOCK]]]`: KIND `dflash` or `dspark`, VOCAB a
+//! `--draft-vocab` value (default `shipped`), LINEARS a `--linear-dtype` (default `stored`),
+//! BLOCK a `--block-size` (default the checkpoint's). The taps are random
 //! (speed does not depend on their values); each round commits `accepted = round % (k + 1)`
 //! drafts, so the context grows as in a real request.
 
@@ -118,10 +119,15 @@ fn main() -> Result<()> {
             .unwrap_or("stored")
             .parse()
             .map_err(anyhow::Error::msg)?;
+        let block_size = match parts.next() {
+            None => None,
+            Some(b) => Some(b.parse::<usize>().context("BLOCK must be a number")?),
+        };
         let weights = root.join("drafters/weights/smollm2-135m").join(&kind);
         let options = Options {
             draft_vocab: vocab,
             linear_dtype,
+            block_size,
             ..Options::default()
         };
         let mut drafter = DFlash::new(WeightsSource::Path(weights), options)?;

@@ -4,7 +4,11 @@
 //! Per session it keeps the context K/V of every accepted position it got taps for (the prompt
 //! at `Open`, then `accepted + 1` rows per `Commit` and one row per id of an `Advance`: rejected
 //! tips never enter), the pending id (the anchor of the next block) and its position. A
-//! `Draft` runs one backbone forward for the blocks of all its rows.
+//! `Draft` runs one backbone forward for the blocks of all its rows. Drafts without a confidence
+//! head get calibrated confidences ([`crate::calibration`]) from what the target accepted in
+//! the same session: each `Open` starts a fresh calibration, so a request's drafts never depend
+//! on the requests before it. The host decides the cut from them; the drafter cuts only at an
+//! explicit `--confidence-threshold` (off by default).
 
 use std::collections::HashMap;
 
@@ -19,6 +23,7 @@ use specula_protocol::sdk::{
 use specula_protocol::wire::{Capabilities, PrefillMode, SamplingSpec, SessionId, TargetInfo};
 use tracing::{debug, info, warn};
 
+use crate::calibration::{probability_of, Calibration};
 use crate::config::{DraftConfig, Kind};
 use crate::heads::Heads;
 use crate::model::{argmax_rows, Backbone, BlockAsk, Context};
@@ -111,6 +116,12 @@ struct Session {
     /// Taps of the last window were torn or missing: the rows nearest the anchor are holes, so
     /// the next round drafts nothing (the host runs a plain step) while the context resyncs.
     resync: bool,
+    /// Calibration features of the last proposal's drafts (no confidence head), until its
+    /// `Commit` says how they fared.
+    features: Vec<f32>,
+    /// This session's acceptance per confidence feature (drafts without a confidence head):
+    /// fresh at every `Open`.
+    calibration: Calibration,
 }
 
 /// One block's drafts, before the SDK caps them.
@@ -121,8 +132,12 @@ pub struct Block {
     /// Their logits `[tokens, draft vocab]`: over the whole vocabulary, or the draft
     /// vocabulary's ids in its order (DSpark: after the Markov correction).
     pub logits: Tensor,
-    /// DSpark: `σ(c_k)` per drafted id.
+    /// Per drafted id: DSpark's `σ(c_k)`, or without a confidence head the calibrated
+    /// probability that it is accepted ([`crate::calibration`]).
     pub confidence: Option<Vec<f32>>,
+    /// Without a confidence head: each draft's calibration feature (its probability under the
+    /// distribution it was drafted from).
+    pub features: Vec<f32>,
     /// `q` rows when sampled.
     pub q: Option<Vec<Vec<f32>>>,
 }
@@ -275,8 +290,10 @@ impl DFlash {
                 .sessions
                 .get_mut(&ask.session)
                 .expect("invariant: asked sessions are open");
-            let block = m.block(&h, s, ask.n)?;
-            debug!(session = ask.session, pos = s.pos, tokens = ?block.tokens, "draft");
+            let calibration = s.calibration.clone();
+            let block = m.block(&h, s, ask.n, &calibration)?;
+            s.features.clone_from(&block.features);
+            debug!(session = ask.session, pos = s.pos, tokens = ?block.tokens, confidence = ?block.confidence, "draft");
             out[i] = Some(block);
         }
         Ok(out)
@@ -510,6 +527,8 @@ impl Drafter for DFlash {
             rng: StdRng::seed_from_u64(seed),
             missing: 0,
             resync: false,
+            features: Vec::new(),
+            calibration: Calibration::default(),
         };
         self.sessions.insert(session, s);
         let rows = &args.prompt[..args.prompt.len() - 1];
@@ -551,6 +570,11 @@ impl Drafter for DFlash {
 
     fn commit(&mut self, session: SessionId, args: CommitArgs<'_>) {
         let pos = self.sessions.get(&session).map(|s| s.pos);
+        if let Some(s) = self.sessions.get_mut(&session) {
+            let features = std::mem::take(&mut s.features);
+            s.calibration
+                .observe(&features, args.drafted, args.accepted);
+        }
         self.accept(session, args.ids, args.taps.as_ref());
         if let (Some(pos), Some((rows, missing))) = (pos, self.context_rows(session)) {
             debug!(
@@ -566,6 +590,10 @@ impl Drafter for DFlash {
     }
 
     fn advance(&mut self, session: SessionId, args: AdvanceArgs<'_>) -> Advanced {
+        // A proposal never verified (late, or dropped by the host) says nothing.
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.features.clear();
+        }
         self.accept(session, args.ids, args.taps.as_ref());
         Advanced::Taken
     }
@@ -601,7 +629,13 @@ impl DFlash {
 
 impl Loaded {
     /// The drafts of one block from its normed hidden rows `h` `[B, hidden]`.
-    fn block(&self, h: &Tensor, s: &mut Session, n: usize) -> Result<Block, Error> {
+    fn block(
+        &self,
+        h: &Tensor,
+        s: &mut Session,
+        n: usize,
+        calibration: &Calibration,
+    ) -> Result<Block, Error> {
         let c = &self.config;
         let n = n.min(c.drafts_per_block(self.block));
         let temperature = s.sampling.temperature;
@@ -610,25 +644,43 @@ impl Loaded {
                 // Mask slot i (row i) predicts the token at anchor + i.
                 let rows = h.narrow(0, 1, n).map_err(err)?;
                 let logits = self.draft_logits(&rows)?;
-                let (tokens, q) = match temperature > 0.0 {
-                    false => (self.to_vocab(argmax_rows(&logits)?), None),
+                let rows: Vec<Vec<f32>> = logits.to_vec2().map_err(err)?;
+                let (picked, features, q) = match temperature > 0.0 {
+                    false => {
+                        let picked = argmax_rows(&logits)?;
+                        let features = rows
+                            .iter()
+                            .zip(&picked)
+                            .map(|(r, &id)| probability_of(r, id as usize))
+                            .collect();
+                        (picked, features, None)
+                    }
                     true => {
-                        let rows: Vec<Vec<f32>> = logits.to_vec2().map_err(err)?;
                         let q: Vec<Vec<f32>> = rows
                             .iter()
                             .map(|r| probs(r, temperature, s.sampling.top_p, s.sampling.top_k))
                             .collect();
-                        let tokens = q.iter().map(|p| sample(p, &mut s.rng)).collect();
+                        let picked: Vec<u32> = q.iter().map(|p| sample(p, &mut s.rng)).collect();
+                        let features = q
+                            .iter()
+                            .zip(&picked)
+                            .map(|(p, &id)| p[id as usize])
+                            .collect();
                         let q = q.into_iter().map(|p| self.full_q(p)).collect();
-                        (self.to_vocab(tokens), Some(q))
+                        (picked, features, Some(q))
                     }
                 };
-                Ok(Block {
-                    tokens,
-                    logits,
-                    confidence: None,
-                    q,
-                })
+                Ok(self.calibrated(
+                    Block {
+                        tokens: self.to_vocab(picked),
+                        logits,
+                        confidence: None,
+                        q,
+                        features,
+                    },
+                    calibration,
+                    self.threshold,
+                ))
             }
             Kind::DSpark => {
                 // Slot k (row k, the anchor's included) predicts the token at anchor + k + 1.
@@ -648,6 +700,7 @@ impl Loaded {
                                 .map_err(err)?,
                             confidence: Some(Vec::new()),
                             q: (temperature > 0.0).then(Vec::new),
+                            features: Vec::new(),
                         })
                     }
                     Some(len) => rows.narrow(0, 0, len).map_err(err)?,
@@ -659,16 +712,27 @@ impl Loaded {
                 let all = self.draft_logits(&rows)?;
                 let base = |k: usize| all.narrow(0, k, 1).map_err(err);
                 let mut q_rows = Vec::new();
+                let mut features = Vec::new();
+                let needs_features = !heads.has_confidence();
                 let rng = &mut s.rng;
                 let mut pick = |z: &Tensor| -> Result<u32, Error> {
                     let row = match temperature > 0.0 {
-                        false => argmax_rows(z)?[0],
+                        false => {
+                            let id = argmax_rows(z)?[0];
+                            if needs_features {
+                                let r: Vec<f32> =
+                                    z.flatten_all().and_then(|z| z.to_vec1()).map_err(err)?;
+                                features.push(probability_of(&r, id as usize));
+                            }
+                            id
+                        }
                         true => {
                             let row: Vec<f32> =
                                 z.flatten_all().and_then(|z| z.to_vec1()).map_err(err)?;
                             // DeepSpec logits_to_probs: softmax(z / T), no top-p/top-k.
                             let p = probs(&row, temperature, 1.0, None);
                             let id = sample(&p, rng);
+                            features.push(p[id as usize]);
                             q_rows.push(self.full_q(p));
                             id
                         }
@@ -681,10 +745,38 @@ impl Loaded {
                     logits: out.logits,
                     confidence: out.confidence,
                     q: (temperature > 0.0).then_some(q_rows),
+                    features: match needs_features {
+                        true => features,
+                        false => Vec::new(),
+                    },
                 };
-                Ok(block)
+                Ok(match needs_features {
+                    // DeepSpec without a confidence head never cuts: no threshold here.
+                    true => self.calibrated(block, calibration, 0.0),
+                    false => block,
+                })
             }
         }
+    }
+
+    /// A block without a confidence head: its calibrated confidences, and the cut at the first
+    /// below the threshold (as DSpark's head cuts; ℓ = 0: nothing to verify this round).
+    fn calibrated(&self, mut block: Block, calibration: &Calibration, threshold: f32) -> Block {
+        let conf: Vec<f32> = block
+            .features
+            .iter()
+            .map(|&f| calibration.confidence(f))
+            .collect();
+        let keep = match threshold > 0.0 {
+            true => conf
+                .iter()
+                .position(|&c| c < threshold)
+                .unwrap_or(conf.len()),
+            false => conf.len(),
+        };
+        block.confidence = Some(conf);
+        block.truncate(keep);
+        block
     }
 
     /// Draft-head rows → vocabulary ids.
@@ -761,6 +853,26 @@ impl Loaded {
             columns.push(t);
         }
         Tensor::cat(&columns, 1).map_err(|e| e.to_string())
+    }
+}
+
+impl Block {
+    /// Keeps the first `keep` drafts (their logits rows, confidences, q rows and features).
+    fn truncate(&mut self, keep: usize) {
+        if keep >= self.tokens.len() {
+            return;
+        }
+        self.tokens.truncate(keep);
+        if let Ok(l) = self.logits.narrow(0, 0, keep) {
+            self.logits = l;
+        }
+        if let Some(c) = &mut self.confidence {
+            c.truncate(keep);
+        }
+        if let Some(q) = &mut self.q {
+            q.truncate(keep);
+        }
+        self.features.truncate(keep);
     }
 }
 

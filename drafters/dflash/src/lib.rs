@@ -7,11 +7,12 @@
 //!   Generation" (arXiv 2607.05147), reference deepseek-ai/DeepSpec (`deepspec/modeling/dspark`,
 //!   `deepspec/eval/dspark/draft_ops.py`).
 //!
-//! Modules: [`config`] (the references' `config.json`), [`tensors`] (the drafter's own file),
+//! Modules: [`calibration`] (confidences for drafts without a confidence head), [`config`] (the references' `config.json`), [`tensors`] (the drafter's own file),
 //! [`model`] (the shared backbone and its context cache), [`heads`] (DSpark's Markov and
 //! confidence heads), [`sampling`], [`vocab`] (the draft vocabulary), [`weights`] (finding the
 //! weights for a target) and [`drafter`] (sessions and the SDK's `Drafter`).
 
+pub mod calibration;
 pub mod config;
 pub mod drafter;
 pub mod heads;

@@ -28,13 +28,16 @@ struct Args {
     /// Run a shorter block than the checkpoint's.
     #[arg(long)]
     block_size: Option<usize>,
-    /// DSpark: cut each block at the first draft whose confidence is below this (0: never).
+    /// Cut each block at the first draft whose confidence is below this (0: never): DSpark's
+    /// confidence head, or the calibrated confidences of a drafter without one. A first draft
+    /// below it proposes nothing (the host runs a plain step).
     #[arg(long, default_value_t = 0.0)]
     confidence_threshold: f32,
-    /// The drafter's own projections: `stored` (the checkpoint's dtype, bf16 for the shipped
-    /// drafters), `f32`, or `q8_0` (requantized at load: fewer bytes per step; drafts may
-    /// differ, output never does).
-    #[arg(long, default_value = "stored")]
+    /// The drafter's own projections: `q8_0` (default: requantized at load, through the
+    /// runtime's packed int8 kernels; a quarter of the f32 bytes per step, drafts may differ
+    /// from the reference's, output never does), `stored` (the checkpoint's dtype, bf16 for the
+    /// shipped drafters: the references' numerics) or `f32`.
+    #[arg(long, default_value = "q8_0")]
     linear_dtype: LinearDType,
     /// Draft over a subset of the vocabulary: `shipped` (the weights' `draft_vocab.json`, all
     /// its ids, when there is one), N (its first N ids, the most frequent) or `off` (the whole

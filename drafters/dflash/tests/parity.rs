@@ -187,7 +187,12 @@ fn run_at(name: &str, threshold: Option<f32>) {
                     );
                 }
             }
-            None => assert_eq!(block.confidence, None),
+            // No confidence head: the drafter's own calibrated confidences, one per draft.
+            None => {
+                let got = block.confidence.as_ref().expect("calibrated confidences");
+                assert_eq!(got.len(), proposed, "{name} round {r}");
+                assert!(got.iter().all(|c| (0.0..=1.0).contains(c)), "{got:?}");
+            }
         }
         let committed = ids(&round["committed"]);
         let accepted = round["accepted"].as_u64().unwrap() as usize;
@@ -479,4 +484,94 @@ fn a_cut_known_before_drafting_proposes_the_uncut_blocks_prefix() {
             "threshold {threshold}"
         );
     }
+}
+
+/// Without a confidence head the drafter's confidences start at the draft probability of each
+/// id and follow what the target accepts within the session; a new `Open` starts afresh (a
+/// request never depends on the ones before it); at a threshold above them the block is cut,
+/// down to nothing (ℓ = 0: the host runs a plain step).
+#[test]
+fn dflash_confidences_are_calibrated_per_session_and_cut_at_the_threshold() {
+    let case = Case::load("dflash");
+    let sampling = SamplingSpec::greedy();
+    let hidden = target().hidden_size as usize;
+    let drafter = |threshold: f32| {
+        let options = Options {
+            confidence_threshold: threshold,
+            ..Options::default()
+        };
+        let mut d = DFlash::new(WeightsSource::Path(fixtures().join("dflash")), options).unwrap();
+        d.accept_target(&target()).unwrap();
+        d
+    };
+    // softmax(logits)[id] of each draft: the calibration's feature.
+    let raw = |b: &Block| -> Vec<f32> {
+        let rows = b.logits.to_vec2::<f32>().unwrap();
+        rows.iter()
+            .zip(&b.tokens)
+            .map(|(row, &id)| {
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let sum: f32 = row.iter().map(|z| (z - max).exp()).sum();
+                (row[id as usize] - max).exp() / sum
+            })
+            .collect()
+    };
+    // `rounds` rounds of one session (opened by `first_block`): the host verifies every draft,
+    // accepts `accepted` of them and commits with (synthetic, intact) taps; then one more block.
+    let session = |d: &mut DFlash, rounds: usize, accepted: usize| -> Block {
+        let mut block = first_block(d, &case, &sampling);
+        let mut pos = ids(&case.meta["prompt"]).len();
+        for _ in 0..rounds {
+            let a = accepted.min(block.tokens.len());
+            let mut committed = block.tokens[..a].to_vec();
+            committed.push(0);
+            let rows = vec![vec![0.25f32; (a + 1) * hidden]; 2];
+            let args = CommitArgs {
+                drafted: block.tokens.len(),
+                accepted: a,
+                ids: &committed,
+                taps: Some(Taps::from_f32(pos as u64, (a + 1) as u32, &rows, None, &[])),
+            };
+            d.commit(1, args);
+            pos += committed.len();
+            let ask = DraftAsk {
+                session: 1,
+                new_tokens: &[],
+                n: 16,
+                donors: None,
+            };
+            block = d.blocks(&[ask]).unwrap().pop().unwrap().expect("a block");
+        }
+        d.close(1);
+        block
+    };
+    let mut d = drafter(0.0);
+    let fresh = session(&mut d, 0, 0);
+    let conf = fresh.confidence.clone().expect("confidences");
+    assert_eq!(conf.len(), fresh.tokens.len());
+    // Before any verdict: the raw probability of each draft.
+    for (j, p) in raw(&fresh).iter().enumerate() {
+        assert!((conf[j] - p).abs() < 5e-4, "draft {j}: {} vs {p}", conf[j]);
+    }
+    // Every first draft rejected for 30 rounds: confidences fall well below the raw ones.
+    let rejected = session(&mut d, 30, 0);
+    let (got, p) = (rejected.confidence.clone().unwrap(), raw(&rejected));
+    assert!(got[0] < p[0] / 2.0, "{} vs {}", got[0], p[0]);
+    // The next request on the same drafter starts afresh: the first block's confidences again.
+    assert_eq!(session(&mut d, 0, 0).confidence, Some(conf.clone()));
+    // Two drafts accepted a round (12 rounds: the fixture's context is 128 positions): the
+    // first two drafts' confidences rise above the raw ones.
+    let accepted = session(&mut d, 12, 2);
+    let (got, p) = (accepted.confidence.clone().unwrap(), raw(&accepted));
+    assert!(got[0] > p[0] && got[1] > p[1], "{got:?} vs {p:?}");
+    // At a threshold between the learned and the raw confidence: nothing is proposed.
+    let mut cut = drafter(conf[0] * 0.75);
+    assert!(
+        !session(&mut cut, 0, 0).tokens.is_empty(),
+        "drafts at first"
+    );
+    let skipped = session(&mut cut, 30, 0);
+    assert!(skipped.tokens.is_empty(), "{:?}", skipped.confidence);
+    assert_eq!(skipped.confidence, Some(Vec::new()));
+    assert_eq!(skipped.logits.dims()[0], 0);
 }
