@@ -370,18 +370,43 @@ fn greedy(
     max_tokens: usize,
     on_token: &mut dyn FnMut(usize),
 ) -> Vec<u32> {
+    let speculation = match slot.lock().is_some() {
+        true => Speculation::On {
+            num_draft_tokens: 7,
+        },
+        false => Speculation::Off,
+    };
+    greedy_with(loaded, prompt, slot, max_tokens, speculation, on_token)
+}
+
+/// Plain greedy decoding of `prompt` (no drafter): what every faulted run must equal.
+fn plain(loaded: &LoadedModel, prompt: &[u32]) -> Vec<u32> {
+    greedy(
+        loaded,
+        prompt,
+        &ProposerSlot::new(None),
+        FAULT_TOKENS,
+        &mut |_| {},
+    )
+}
+
+/// Greedy decoding through the engine with the given speculation mode; `on_token` gets the
+/// count of tokens streamed so far.
+fn greedy_with(
+    loaded: &LoadedModel,
+    prompt: &[u32],
+    slot: &ProposerSlot,
+    max_tokens: usize,
+    speculation: Speculation,
+    on_token: &mut dyn FnMut(usize),
+) -> Vec<u32> {
     let req = GenerationRequest {
         session: 1,
         prompt_ids: prompt.to_vec(),
         max_tokens,
         sampling: SamplingParams::default(),
         stop: vec![],
-        speculation: match slot.lock().is_some() {
-            true => Speculation::On {
-                num_draft_tokens: 7,
-            },
-            false => Speculation::Off,
-        },
+        speculation,
         logprobs: None,
         grammar: None,
     };
@@ -429,13 +454,7 @@ const FAULT_TOKENS: usize = 64;
 #[test]
 fn swap_to_and_from_dflash_mid_request() {
     let (loaded, prompt) = smollm2();
-    let plain = greedy(
-        &loaded,
-        &prompt,
-        &ProposerSlot::new(None),
-        FAULT_TOKENS,
-        &mut |_| {},
-    );
+    let plain = plain(&loaded, &prompt);
     let clean_rounds = Arc::new(Mutex::new(Vec::new()));
     let slot = ProposerSlot::new(Some(Box::new(Recording::new(
         shipped(&loaded, |d| d),
@@ -562,13 +581,7 @@ impl<D: Drafter> Drafter for Tearing<D> {
 #[test]
 fn torn_taps_are_dropped_and_drafting_recovers() {
     let (loaded, prompt) = smollm2();
-    let plain = greedy(
-        &loaded,
-        &prompt,
-        &ProposerSlot::new(None),
-        FAULT_TOKENS,
-        &mut |_| {},
-    );
+    let plain = plain(&loaded, &prompt);
     let run = |tear_at: usize| {
         let rounds = Arc::new(Mutex::new(Vec::new()));
         let proposer = shipped(&loaded, |d| Tearing {
@@ -745,38 +758,21 @@ fn admin_api_swap_to_and_from_dflash_mid_request() {
 #[test]
 fn dflash_confidences_reach_the_host_and_only_the_controller_cuts() {
     let (loaded, prompt) = smollm2();
-    let plain = greedy(
-        &loaded,
-        &prompt,
-        &ProposerSlot::new(None),
-        FAULT_TOKENS,
-        &mut |_| {},
-    );
+    let plain = plain(&loaded, &prompt);
     let run = |speculation: Speculation| {
         let rounds = Arc::new(Mutex::new(Vec::new()));
         let recording = Recording::new(shipped(&loaded, |d| d), 0, &rounds);
         let slot = ProposerSlot::new(Some(Box::new(recording)));
-        let req = GenerationRequest {
-            session: 1,
-            prompt_ids: prompt.clone(),
-            max_tokens: FAULT_TOKENS,
-            sampling: SamplingParams::default(),
-            stop: vec![],
-            speculation,
-            logprobs: None,
-            grammar: None,
-        };
-        let out = run_engine(
-            &loaded.model,
-            &loaded.tokenizer,
+        let out = greedy_with(
+            &loaded,
+            &prompt,
             &slot,
-            &EngineConfig::default(),
-            &req,
-            &mut |_| Flow::Continue,
-        )
-        .expect("generate");
+            FAULT_TOKENS,
+            speculation,
+            &mut |_| {},
+        );
         let rounds = rounds.lock().expect("lock").clone();
-        (out.token_ids, rounds)
+        (out, rounds)
     };
     let (out, fixed) = run(Speculation::On {
         num_draft_tokens: 7,
