@@ -60,6 +60,32 @@ fn draft(d: &mut DFlash, session: u64, n: usize) -> Vec<u32> {
     d.draft_batch(&[ask]).pop().unwrap_or_default().tokens
 }
 
+/// Opens a fresh session on `seq[..=a]` with the taps of one forward over the whole sequence
+/// (`taps`: layers × rows × width), drafts `k` tokens from anchor `a`, and closes it: what the
+/// twin test and train/'s simulation do at each anchor.
+fn fresh_drafts(
+    d: &mut DFlash,
+    session: &mut u64,
+    seq: &[u32],
+    taps: &[Vec<Vec<f32>>],
+    a: usize,
+    k: usize,
+) -> Vec<u32> {
+    let flat: Vec<Vec<f32>> = taps.iter().map(|l| l[..a].concat()).collect();
+    *session += 1;
+    d.open(
+        *session,
+        OpenArgs {
+            prompt: &seq[..=a],
+            sampling: &SamplingSpec::greedy(),
+            taps: Some(Taps::from_f32(0, a as u32, &flat, None, &[])),
+        },
+    );
+    let drafts = draft(d, *session, k);
+    d.close(*session);
+    drafts
+}
+
 fn main() -> Result<()> {
     let (mut kind, mut k, mut tokens, mut f32) = ("dflash".to_string(), 7usize, 64usize, false);
     let mut cases_file: Option<PathBuf> = None;
@@ -139,18 +165,7 @@ fn main() -> Result<()> {
                 let (mut a, mut acc, mut n, mut per) =
                     (prompt.len(), 0usize, 0usize, vec![0usize; k]);
                 while a + 1 < end {
-                    let flat: Vec<Vec<f32>> = t.iter().map(|l| l[..a].concat()).collect();
-                    session += 1;
-                    d.open(
-                        session,
-                        OpenArgs {
-                            prompt: &seq[..=a],
-                            sampling: &SamplingSpec::greedy(),
-                            taps: Some(Taps::from_f32(0, a as u32, &flat, None, &[])),
-                        },
-                    );
-                    let tf = draft(&mut d, session, k);
-                    d.close(session);
+                    let tf = fresh_drafts(&mut d, &mut session, &seq, &t, a, k);
                     let ok = tf
                         .iter()
                         .zip(&seq[a + 1..end])
@@ -238,18 +253,7 @@ fn main() -> Result<()> {
         let (mut live_acc, mut tf_acc, mut differ) = (0usize, 0usize, 0usize);
         for (a, live_drafts, accepted) in &rounds {
             let a = *a;
-            let flat: Vec<Vec<f32>> = t.iter().map(|l| l[..a].concat()).collect();
-            session += 1;
-            d.open(
-                session,
-                OpenArgs {
-                    prompt: &seq[..=a],
-                    sampling: &SamplingSpec::greedy(),
-                    taps: Some(Taps::from_f32(0, a as u32, &flat, None, &[])),
-                },
-            );
-            let tf = draft(&mut d, session, k);
-            d.close(session);
+            let tf = fresh_drafts(&mut d, &mut session, &seq, &t, a, k);
             let tf_ok = tf
                 .iter()
                 .zip(&seq[a + 1..])
