@@ -299,10 +299,10 @@ fn mtp_sampled_output_keeps_the_target_distribution() {
 }
 
 /// The host alone cuts by confidence, and only under the controller. A random-weight head is
-/// never sure of its drafts: each carries its own probability (near 1 / vocabulary), under the
-/// lowest floor, so under the controller the host cuts them all (`confidence_cut`) and gives
-/// them no verify row; under a fixed k the same drafter's drafts are all verified. The output
-/// is plain's either way.
+/// rarely sure of its drafts: each carries its own probability (mostly near 1 / vocabulary),
+/// under the lowest floor, so under the controller the host cuts most of them
+/// (`confidence_cut`) and gives them no verify row; under a fixed k the same drafter's drafts
+/// are all verified. The output is plain's either way.
 #[test]
 fn the_host_cuts_the_mtp_drafters_unsure_drafts_under_the_controller_only() {
     let (_dir, loaded) = tiny_target_with_mtp("llama", "deepseek", 7);
@@ -337,9 +337,19 @@ fn the_host_cuts_the_mtp_drafters_unsure_drafts_under_the_controller_only() {
         "the controller asked the drafter and cut what it sent: {:?}",
         controlled.stats
     );
-    assert_eq!(
-        (controlled.stats.drafted, controlled.stats.target_forwards),
-        (0, plain.stats.target_forwards),
-        "every unsure draft cut: one token per forward, as plain"
+    // Random weights make most drafts unsure, not all: a head over a tiny vocabulary is now
+    // and then confident enough to pass the floor (CI saw 1 of 24), so the test asks for the
+    // cut to dominate, not to be total. The exact rule is tested with scripted confidences in
+    // tests/batch.rs.
+    assert!(
+        controlled.stats.drafted < controlled.stats.confidence_cut,
+        "most unsure drafts cut: {:?}",
+        controlled.stats
+    );
+    assert!(
+        controlled.stats.target_forwards <= plain.stats.target_forwards,
+        "every forward still commits a token: {:?} vs plain {:?}",
+        controlled.stats,
+        plain.stats
     );
 }
