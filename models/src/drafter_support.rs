@@ -7,7 +7,8 @@
 //! lm_head shares the embedding's storage. Nothing here dequantizes a `[vocab, hidden]` matrix,
 //! so a drafter never holds a second dense copy of a 50k–150k-row table.
 //!
-//! [`draft_vocab`]: the draft vocabulary those drafters' heads can be restricted to.
+//! [`draft_vocab`]: the draft vocabulary those drafters' heads can be restricted to; [`attend`]: attention
+//! over a drafter's own small K/V cache.
 //!
 //! ```no_run
 //! # fn main() -> specula_models::Result<()> {
@@ -19,6 +20,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod attend;
 pub mod draft_vocab;
 
 use std::path::{Path, PathBuf};

@@ -17,7 +17,8 @@
 //!  q rows   [ all visible             | all visible ]       (g × B rows)
 //! ```
 
-use candle_core::{Tensor, D};
+use candle_core::{Device, Tensor, D};
+use specula_models::drafter_support::attend::{attend, host_heads, Heads};
 use specula_models::layers::{Linear, Mlp, RmsNorm, Rope, RopeStyle};
 
 use crate::config::DraftConfig;
@@ -150,51 +151,19 @@ impl Backbone {
             context.k = vec![Vec::new(); self.layers.len()];
             context.v = vec![Vec::new(); self.layers.len()];
         }
+        let (kvh, d) = (self.num_kv_heads, self.head_dim);
         for (l, layer) in self.layers.iter().enumerate() {
-            let k = self.heads(
-                &layer.k_proj.forward(&h_ctx).map_err(err)?,
-                self.num_kv_heads,
-            )?;
-            let k = self.rope_heads(&layer_norm_heads(&layer.k_norm, &k)?, pos)?;
-            // [kv_heads, rows, d] -> [rows, kv_heads * d]
-            let k = k.transpose(0, 1).map_err(err)?.flatten_all().map_err(err)?;
-            let v = layer
-                .v_proj
-                .forward(&h_ctx)
+            let [k, v]: [Tensor; 2] = Linear::forward_many(&[&layer.k_proj, &layer.v_proj], &h_ctx)
                 .map_err(err)?
-                .flatten_all()
-                .map_err(err)?;
-            context.k[l].extend(k.to_vec1::<f32>().map_err(err)?);
-            context.v[l].extend(v.to_vec1::<f32>().map_err(err)?);
+                .try_into()
+                .expect("invariant: two layers give two outputs");
+            let rope = Some((&self.rope, pos));
+            let k = host_heads(&k, kvh, d, Some(&layer.k_norm), rope).map_err(err)?;
+            context.k[l].extend(k);
+            context.v[l].extend(host_heads(&v, kvh, d, None, None).map_err(err)?);
         }
         context.rows += rows;
         Ok(())
-    }
-
-    /// Rotates `[heads, rows, d]`, row `r` at position `pos + r` (the runtime's [`Rope`] works
-    /// in place on host rows laid out `[rows][heads][d]`).
-    fn rope_heads(&self, xs: &Tensor, pos: usize) -> Result<Tensor, Error> {
-        let (heads, rows, d) = xs.dims3().map_err(err)?;
-        let mut data: Vec<f32> = xs
-            .transpose(0, 1)
-            .and_then(|t| t.flatten_all())
-            .and_then(|t| t.to_vec1())
-            .map_err(err)?;
-        let positions: Vec<usize> = (pos..pos + rows).collect();
-        self.rope.apply(&mut data, heads, &positions).map_err(err)?;
-        Tensor::from_vec(data, (rows, heads, d), xs.device())
-            .and_then(|t| t.transpose(0, 1))
-            .and_then(|t| t.contiguous())
-            .map_err(err)
-    }
-
-    /// `[rows, heads × d]` → `[heads, rows, d]` (contiguous).
-    fn heads(&self, xs: &Tensor, heads: usize) -> Result<Tensor, Error> {
-        let rows = xs.dims2().map_err(err)?.0;
-        xs.reshape((rows, heads, self.head_dim))
-            .and_then(|x| x.transpose(0, 1))
-            .and_then(|x| x.contiguous())
-            .map_err(err)
     }
 
     /// Runs every ask's block through the layers in one batch (row-wise ops over all rows,
@@ -215,9 +184,12 @@ impl Backbone {
         let mut x = Tensor::cat(&embeddings, 0).map_err(err)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let xn = layer.input_layernorm.forward(&x).map_err(err)?;
-            let q = layer.q_proj.forward(&xn).map_err(err)?;
-            let k = layer.k_proj.forward(&xn).map_err(err)?;
-            let v = layer.v_proj.forward(&xn).map_err(err)?;
+            // q, k and v share their input: one pass of the quantized kernels for the three.
+            let [q, k, v]: [Tensor; 3] =
+                Linear::forward_many(&[&layer.q_proj, &layer.k_proj, &layer.v_proj], &xn)
+                    .map_err(err)?
+                    .try_into()
+                    .expect("invariant: three layers give three outputs");
             let mut outs = Vec::with_capacity(asks.len());
             let mut at = 0;
             for (ask, &b) in asks.iter().zip(&sizes) {
@@ -245,7 +217,8 @@ impl Backbone {
             .collect()
     }
 
-    /// One session's attention in layer `l`: block queries over `[context; block]` keys.
+    /// One session's attention in layer `l`: block queries over `[context; block]` keys, every
+    /// key visible to every row, on the context's host rows ([`attend`]: no copy of them).
     fn attend(
         &self,
         l: usize,
@@ -257,56 +230,24 @@ impl Backbone {
     ) -> Result<Tensor, Error> {
         let (b, d) = (q.dims2().map_err(err)?.0, self.head_dim);
         let (nh, kvh) = (self.num_heads, self.num_kv_heads);
-        let groups = nh / kvh;
-        let q = self.rope_heads(
-            &layer_norm_heads(&layer.q_norm, &self.heads(q, nh)?)?,
-            ask.pos,
-        )?;
-        let kb = self.rope_heads(
-            &layer_norm_heads(&layer.k_norm, &self.heads(k, kvh)?)?,
-            ask.pos,
-        )?;
-        let vb = self.heads(v, kvh)?;
-        let n = ask.context.rows;
-        let device = q.device();
-        let (keys, values) = match n {
-            0 => (kb, vb),
-            _ => {
-                let ctx = |data: &[f32]| {
-                    Tensor::from_slice(data, (n, kvh, d), device)
-                        .and_then(|t| t.transpose(0, 1))
-                        .map_err(err)
-                };
-                let kc = ctx(&ask.context.k[l])?;
-                let vc = ctx(&ask.context.v[l])?;
-                (
-                    Tensor::cat(&[&kc, &kb], 1).map_err(err)?,
-                    Tensor::cat(&[&vc, &vb], 1).map_err(err)?,
-                )
-            }
+        let rope = Some((&self.rope, ask.pos));
+        let q = host_heads(q, nh, d, Some(&layer.q_norm), rope).map_err(err)?;
+        let kb = host_heads(k, kvh, d, Some(&layer.k_norm), rope).map_err(err)?;
+        let vb = host_heads(v, kvh, d, None, None).map_err(err)?;
+        let shape = Heads {
+            heads: nh,
+            kv_heads: kvh,
+            head_dim: d,
         };
-        // Query head h = kv * groups + g shares K/V head kv (HF repeat_kv).
-        let q = q.reshape((kvh, groups * b, d)).map_err(err)?;
-        let scale = 1.0 / (d as f64).sqrt();
-        let scores = (q
-            .matmul(&keys.t().map_err(err)?.contiguous().map_err(err)?)
-            .map_err(err)?
-            * scale)
-            .map_err(err)?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores).map_err(err)?;
-        let out = probs
-            .matmul(&values.contiguous().map_err(err)?)
-            .map_err(err)?;
-        out.reshape((nh, b, d))
-            .and_then(|o| o.transpose(0, 1))
-            .and_then(|o| o.reshape((b, nh * d)))
-            .map_err(err)
+        let ctx = &ask.context;
+        let (kc, vc): (&[f32], &[f32]) = match ctx.rows {
+            0 => (&[], &[]),
+            _ => (&ctx.k[l], &ctx.v[l]),
+        };
+        let keys = ctx.rows + b;
+        let out = attend(&q, &[(kc, vc), (&kb, &vb)], shape, |_| keys).map_err(err)?;
+        Tensor::from_vec(out, (b, nh * d), &Device::Cpu).map_err(err)
     }
-}
-
-/// RMSNorm over the last dim of `[heads, rows, d]`.
-fn layer_norm_heads(norm: &RmsNorm, xs: &Tensor) -> Result<Tensor, Error> {
-    norm.forward(xs).map_err(err)
 }
 
 /// Maximum over the last dim, as ids.

@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor, D};
+use specula_models::drafter_support::attend::{attend, host_heads, Heads};
 use specula_models::layers::linear::Weight;
 use specula_models::layers::{Linear, Mlp, RmsNorm, Rope};
 use specula_models::weights::{Bias, Weights};
@@ -310,85 +311,34 @@ impl Mtp {
         self.head.as_ref()
     }
 
-    /// Projects `xs` `[n, heads × d]` to `[n][heads][d]` values, per-head normed and rotated
-    /// at `pos..pos + n` when asked.
-    fn heads(
-        &self,
-        xs: &Tensor,
-        heads: usize,
-        norm: Option<&RmsNorm>,
-        pos: Option<usize>,
-    ) -> Result<Vec<f32>, Error> {
-        let n = xs.dims2().map_err(fwd)?.0;
-        let mut xs = xs.reshape((n, heads, self.config.head_dim)).map_err(fwd)?;
-        if let Some(norm) = norm {
-            xs = norm.forward(&xs).map_err(fwd)?;
-        }
-        let mut data: Vec<f32> = xs.flatten_all().and_then(|t| t.to_vec1()).map_err(fwd)?;
-        if let Some(pos) = pos {
-            let positions: Vec<usize> = (pos..pos + n).collect();
-            self.rope.apply(&mut data, heads, &positions).map_err(fwd)?;
-        }
-        Ok(data)
-    }
-
     /// Causal attention of the window's rows over `[cache; window]`; the window's K/V join
-    /// the cache.
+    /// the cache. q, k and v share their input: one pass of the quantized kernels for the
+    /// three; the attention itself runs on the cache's host rows ([`attend`]), no copy of it.
     fn attend(&self, cache: &mut Cache, xn: &Tensor, pos: usize) -> Result<Tensor, Error> {
         let c = &self.config;
         let b = &self.block;
         let (n, d) = (xn.dims2().map_err(fwd)?.0, c.head_dim);
         let (nh, kvh) = (c.num_heads, c.num_kv_heads);
-        let groups = nh / kvh;
-        let q = b.q_proj.forward(xn).map_err(fwd)?;
-        let q = self.heads(&q, nh, b.q_norm.as_ref(), Some(pos))?;
-        let k = b.k_proj.forward(xn).map_err(fwd)?;
-        let k = self.heads(&k, kvh, b.k_norm.as_ref(), Some(pos))?;
-        let v = b.v_proj.forward(xn).map_err(fwd)?;
-        let v = self.heads(&v, kvh, None, None)?;
+        let [q, k, v]: [Tensor; 3] = Linear::forward_many(&[&b.q_proj, &b.k_proj, &b.v_proj], xn)
+            .map_err(fwd)?
+            .try_into()
+            .expect("invariant: three layers give three outputs");
+        let rope = Some((&self.rope, pos));
+        let q = host_heads(&q, nh, d, b.q_norm.as_ref(), rope).map_err(fwd)?;
+        let k = host_heads(&k, kvh, d, b.k_norm.as_ref(), rope).map_err(fwd)?;
+        let v = host_heads(&v, kvh, d, None, None).map_err(fwd)?;
         let m = cache.rows;
         cache.k.extend_from_slice(&k);
         cache.v.extend_from_slice(&v);
         cache.rows += n;
-        let total = m + n;
-        let device = &Device::Cpu;
-        let kv = |data: &[f32]| {
-            Tensor::from_slice(data, (total, kvh, d), device)
-                .and_then(|t| t.transpose(0, 1))
-                .and_then(|t| t.contiguous())
-                .map_err(fwd)
+        let shape = Heads {
+            heads: nh,
+            kv_heads: kvh,
+            head_dim: d,
         };
-        let (keys, values) = (kv(&cache.k)?, kv(&cache.v)?);
-        // Query head h = kv * groups + g shares K/V head kv (HF repeat_kv); row g * n + i.
-        let q = Tensor::from_vec(q, (n, nh, d), device)
-            .and_then(|t| t.transpose(0, 1))
-            .and_then(|t| t.contiguous())
-            .and_then(|t| t.reshape((kvh, groups * n, d)))
-            .map_err(fwd)?;
-        let scale = 1.0 / (d as f64).sqrt();
-        let scores = (q
-            .matmul(&keys.t().map_err(fwd)?.contiguous().map_err(fwd)?)
-            .map_err(fwd)?
-            * scale)
-            .map_err(fwd)?;
-        let mask: Vec<f32> = (0..groups * n)
-            .flat_map(|r| {
-                let i = r % n;
-                (0..total).map(move |j| match j <= m + i {
-                    true => 0.0,
-                    false => f32::NEG_INFINITY,
-                })
-            })
-            .collect();
-        let mask = Tensor::from_vec(mask, (groups * n, total), device).map_err(fwd)?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask).map_err(fwd)?)
-            .map_err(fwd)?;
-        probs
-            .matmul(&values)
-            .and_then(|o| o.reshape((nh, n, d)))
-            .and_then(|o| o.transpose(0, 1))
-            .and_then(|o| o.reshape((n, nh * d)))
-            .map_err(fwd)
+        // Row i (position pos + i) sees the cache and the window up to itself.
+        let out = attend(&q, &[(&cache.k, &cache.v)], shape, |i| m + i + 1).map_err(fwd)?;
+        Tensor::from_vec(out, (n, nh * d), &Device::Cpu).map_err(fwd)
     }
 }
 
