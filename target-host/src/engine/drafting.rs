@@ -448,6 +448,16 @@ mod tests {
         }
     }
 
+    fn open(d: &mut Drafting, slot: &ProposerSlot, session: SessionId, ctx: &[u32]) {
+        d.open(
+            &mut slot.lock(),
+            session,
+            ctx,
+            &SamplingParams::default(),
+            None,
+        );
+    }
+
     fn ask(d: &mut Drafting, slot: &ProposerSlot, session: SessionId) {
         let asks = [DraftAsk { session, n: 2 }];
         let ctx = [1u32, 2, 3];
@@ -459,13 +469,7 @@ mod tests {
     #[test]
     fn rounds_without_drafts_reach_the_drafter_in_one_advance_before_its_next_draft() {
         let (slot, mut d, log) = setup(Wants::default());
-        d.open(
-            &mut slot.lock(),
-            1,
-            &[1, 2, 3],
-            &SamplingParams::default(),
-            None,
-        );
+        open(&mut d, &slot, 1, &[1, 2, 3]);
         for id in [4, 5, 6] {
             d.advance(&mut slot.lock(), 1, &[id], None);
         }
@@ -533,7 +537,7 @@ mod tests {
         assert_eq!(log[log.len() - 2..], ["advance 1 5 1", "advance 1 6 1"]);
         // So do ids past their bound.
         let (slot, mut d, log) = setup(Wants::default());
-        d.open(&mut slot.lock(), 2, &[1], &SamplingParams::default(), None);
+        open(&mut d, &slot, 2, &[1]);
         for id in 0..=UNSENT_MAX_IDS as u32 {
             d.advance(&mut slot.lock(), 2, &[id], None);
         }
@@ -544,13 +548,7 @@ mod tests {
     #[test]
     fn a_reopen_replaces_what_was_held() {
         let (slot, mut d, log) = setup(Wants::default());
-        d.open(
-            &mut slot.lock(),
-            1,
-            &[1, 2, 3],
-            &SamplingParams::default(),
-            None,
-        );
+        open(&mut d, &slot, 1, &[1, 2, 3]);
         d.advance(&mut slot.lock(), 1, &[4], None);
         // A new drafter: the session opens on it with the whole context at its next draft.
         let log2 = Arc::new(Mutex::new(Vec::new()));
