@@ -14,10 +14,13 @@
 //!   position before the pending one when [`Proposer::wants`] asks for taps;
 //! - [`Proposer::commit`]: after a step that verified drafts: the accepted drafts and the
 //!   target's own token, with the taps of rows `[pending, d1..d_accepted]`;
-//! - [`Proposer::advance`]: after a step that committed a token *without* drafts (k = 0, a
-//!   missed deadline, an empty draft): that id and the taps of the row that produced it.
+//! - [`Proposer::advance`]: ids committed *without* drafts (k = 0, a missed deadline, an empty
+//!   draft) and the taps of the rows that produced them. The engine holds them back while the
+//!   session does not draft and sends them in one call right before its next draft, so a
+//!   session that does not draft costs the proposer nothing.
 //!
-//! So every committed position's taps reach the proposer exactly once, in order. After a hot
+//! So every committed position's taps reach the proposer exactly once, in order, before the
+//! session's next draft. After a hot
 //! swap, and after a proposer lost its sessions (a respawned drafter process: a new
 //! [`Proposer::incarnation`]), the engine opens every session again with the whole context and
 //! the taps of every position before the pending one, and re-reads [`Proposer::wants`].

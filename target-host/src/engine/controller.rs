@@ -224,6 +224,8 @@ pub struct Acceptance {
     /// Asks (forgotten like the trials) and those answered with a non-empty draft.
     asks: f64,
     replies: f64,
+    /// The most drafts its next round may get ([`Acceptance::reach`]; 0 reads as 1).
+    ramp: usize,
 }
 
 impl Acceptance {
@@ -242,6 +244,19 @@ impl Acceptance {
         self.accepts = self.accepts * FORGET + accepted as f64;
         let rejected = usize::from(accepted < drafted);
         self.trials = self.trials * FORGET + (accepted + rejected) as f64;
+        self.ramp = match rejected {
+            0 => self.reach().max(drafted) * 2,
+            _ => accepted + 1,
+        };
+    }
+
+    /// The most drafts the sequence's next round may get (slow start): one before any of its
+    /// own rounds was judged, whatever the prior says, so a prior learned on other prompts
+    /// costs a new sequence at most one verify row a round until its own drafts are judged;
+    /// doubled by each round whose drafts were all accepted; one more than the accepted run
+    /// after a rejection. The acceptance estimate still decides whether drafting pays at all.
+    pub fn reach(&self) -> usize {
+        self.ramp.max(1)
     }
 
     /// A step in which the sequence did not draft: its own evidence fades.
@@ -473,6 +488,7 @@ mod tests {
         for _ in 0..50 {
             c.observe(4, 0, 0);
         }
+        assert_eq!(c.reach(), 2, "an empty reply judges nothing");
         for _ in 0..300 {
             c.idle();
         }
@@ -480,6 +496,31 @@ mod tests {
             (c.alpha(0.9) - 0.9).abs() < 0.01 && (c.hit(1.0) - 1.0).abs() < 0.01,
             "idle sequences return to the prior"
         );
+    }
+
+    #[test]
+    fn a_new_sequence_drafts_one_until_its_own_rounds_earn_more() {
+        let mut a = Acceptance::default();
+        assert_eq!(
+            a.reach(),
+            1,
+            "a new sequence: one draft, whatever the prior"
+        );
+        a.observe(1, 1, 1);
+        assert_eq!(a.reach(), 2);
+        a.observe(2, 2, 2);
+        assert_eq!(a.reach(), 4, "every fully accepted round doubles it");
+        a.observe(4, 4, 1);
+        assert_eq!(a.reach(), 2, "a rejection: one more than the accepted run");
+        a.observe(2, 2, 0);
+        assert_eq!(a.reach(), 1);
+        a.observe(1, 0, 0);
+        assert_eq!(a.reach(), 1, "an empty reply judges nothing");
+        a.idle();
+        assert_eq!(a.reach(), 1);
+        // A drafter that sent fewer than asked, all accepted: twice what it showed.
+        a.observe(8, 3, 3);
+        assert_eq!(a.reach(), 6);
     }
 
     fn cands(alphas: &[f64], max: usize) -> Vec<Candidate> {

@@ -398,7 +398,7 @@ impl<'a> Core<'a> {
                     cands.push(Candidate {
                         alpha: acceptance.alpha(self.controller.prior()),
                         hit: acceptance.hit(self.controller.prior_hit()),
-                        max: max_draft_tokens.min(cap),
+                        max: max_draft_tokens.min(cap).min(acceptance.reach()),
                     });
                     cand_of.push(j);
                 }
