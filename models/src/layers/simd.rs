@@ -5,7 +5,7 @@
 //! handed an `Isa` may use its instructions without further checks. The paths, best first:
 //!
 //! ```text
-//!  amx      avx512 + AMX-TILE/INT8, tiles granted by Linux  tdpbsud/tdpbssd for 2+ rows
+//!  amx      avx512 + AMX-TILE/INT8, tiles granted by Linux  tdpbsud/tdpbssd, 8+ rows
 //!  avx512   avx512f + bw + vl + vnni (+ avx2, fma, f16c)  EVEX vpdpbusd, 512-bit FMA (dense)
 //!  avxvnni  avxvnni (+ avx2, fma, f16c)                   256-bit vpdpbusd (VEX)
 //!  avx2     avx2 + fma + f16c                             vpmaddubsw + vpmaddwd, 256-bit FMA
@@ -15,7 +15,7 @@
 //! On `avx512` the 32-element quantized types (`qmatmul/packed.rs`) run 512-bit `vpdpbusd`
 //! with one weight row per 32-bit lane; the k-quants run the EVEX encodings on 256-bit
 //! registers. The `avxvnni` level runs the AVX2 builds of the packed kernels (bit-identical).
-//! The `amx` level is `avx512` plus tile kernels for the quantized matmuls of two rows or more
+//! The `amx` level is `avx512` plus tile kernels for the quantized matmuls of 8 rows or more
 //! (`qmatmul/amx.rs`): the same exact integer sums per block and the same float operations,
 //! so its bits equal `avx512`'s; Linux must grant the process the tile state
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once), else the level is unavailable.

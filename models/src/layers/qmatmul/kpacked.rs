@@ -29,7 +29,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::kquant::{ActRow, QK_K};
-use super::packed::{rows_per_pass, scatter, LANES, MAX_ROWS};
+use super::packed::{rows_per_pass, scatter, AMX_MIN_ROWS, LANES, MAX_ROWS};
 use crate::layers::simd::Isa;
 #[cfg(target_arch = "x86_64")]
 use crate::layers::simd::Level;
@@ -207,7 +207,7 @@ fn group_dot(isa: Isa, group: &[u8], a: &[ActRow<'_>], ys: &mut [[f32; LANES]]) 
         }
         match isa.level() {
             // SAFETY: an `Amx` token proves AVX-512 and the granted tiles.
-            Level::Amx if a.len() >= 2 => return unsafe { x86::amx(group, a, ys) },
+            Level::Amx if a.len() >= AMX_MIN_ROWS => return unsafe { x86::amx(group, a, ys) },
             Level::Avx512 | Level::Amx => return go!(avx512),
             Level::Avx2 | Level::AvxVnni => return go!(avx2),
             Level::Scalar => {}
@@ -333,8 +333,8 @@ mod x86 {
         out
     }
 
-    /// The `amx` build for 2 to 16 rows: per chunk of two sub-blocks, the nibbles split into
-    /// two B tiles and two tile products give the 16 x rows integer sums of each sub-block;
+    /// The `amx` build for [`super::AMX_MIN_ROWS`] to 16 rows: per chunk of two sub-blocks,
+    /// the nibbles split into two B tiles and two tile products give the 16 x rows integer sums of each sub-block;
     /// then the [`avx512`] build's integer scaling and float operations, so the same bits.
     ///
     /// # Safety

@@ -49,6 +49,12 @@ const ROWS: usize = 8;
 /// Most activation rows per pass on any path (the `amx` tile kernels' rows).
 pub(super) const MAX_ROWS: usize = 16;
 
+/// Fewest activation rows of a pass that the `amx` path runs on tiles: below it the tile setup
+/// and the C tile's round trip through memory cost more than the VNNI kernels (CPU time on
+/// SmolLM2 and Qwen 0.5B, ctx 256: 2 and 4 rows slower on tiles, 8 even, 16 faster); the
+/// bits are the same either way.
+pub(super) const AMX_MIN_ROWS: usize = 8;
+
 /// Whether [`Packed::new`] takes this type.
 pub(super) fn supports(dtype: GgmlDType) -> bool {
     matches!(
@@ -363,7 +369,7 @@ fn group_dot(
         }
         match isa.level() {
             // SAFETY: an `Amx` token proves AVX-512 and the granted tiles.
-            Level::Amx if a.len() >= 2 => unsafe {
+            Level::Amx if a.len() >= AMX_MIN_ROWS => unsafe {
                 return match kind {
                     0 => x86::amx::<0>(group, a, ys),
                     1 => x86::amx::<1>(group, a, ys),
@@ -515,8 +521,8 @@ mod x86 {
         out
     }
 
-    /// The `amx` build for 2 to 16 rows: per block, one tile product gives the 16 x rows
-    /// integer sums (the nibble types unpacked into a B tile first; `Q5_0`/`Q8_0` blocks are B
+    /// The `amx` build for [`super::AMX_MIN_ROWS`] to 16 rows: per block, one tile product
+    /// gives the 16 x rows integer sums (the nibble types unpacked into a B tile first; `Q5_0`/`Q8_0` blocks are B
     /// tiles as packed), then the [`avx512`] build's float operations in its order, so the
     /// same bits.
     ///

@@ -154,7 +154,7 @@ fn rows_do_not_depend_on_row_count() {
 
 /// Every build this CPU runs, the portable one included, gives the same bits for the packed
 /// types (per-lane integer sums and the same fused float operations), at every row count: the
-/// `amx` tile kernels (2 to 16 rows a pass, blocks in pairs plus an odd one) included.
+/// `amx` tile kernels (8 to 16 rows a pass, blocks in pairs plus an odd one) included.
 #[test]
 fn packed_builds_agree_exactly() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
