@@ -68,7 +68,8 @@ impl Tiles {
     }
 
     /// `c[0][r] = a0[r] · b0` for the configured rows: `a0` row `r` is the 32 bytes at
-    /// `a0 + r * stride`, `b0` one B tile ([`B_BYTES`], weights unsigned when `!SIGNED`).
+    /// `a0 + r * stride`, `b0` one B tile ([`B_BYTES`]; signed weight bytes when `signed`,
+    /// else unsigned).
     ///
     /// # Safety
     /// Every row of `a0` and all of `b0` are readable; `c` has room for the rows.
@@ -81,31 +82,26 @@ impl Tiles {
         stride: usize,
         b0: *const u8,
     ) {
+        macro_rules! dot1 {
+            ($op:literal) => {
+                asm!(
+                    "tileloadd tmm2, [{a0} + {s} * 1]",
+                    "tileloadd tmm4, [{b0} + {w} * 1]",
+                    "tilezero tmm0",
+                    concat!($op, " tmm0, tmm2, tmm4"),
+                    "tilestored [{c} + {w} * 1], tmm0",
+                    a0 = in(reg) a0, b0 = in(reg) b0, c = in(reg) c.0.as_mut_ptr(),
+                    s = in(reg) stride, w = in(reg) 64usize,
+                    options(nostack),
+                )
+            };
+        }
         debug_assert!(self.rows <= ROWS);
         // SAFETY: the caller's bounds; the tiles are configured (self exists).
         unsafe {
-            if signed {
-                asm!(
-                    "tileloadd tmm2, [{a0} + {s} * 1]",
-                    "tileloadd tmm4, [{b0} + {w} * 1]",
-                    "tilezero tmm0",
-                    "tdpbssd tmm0, tmm2, tmm4",
-                    "tilestored [{c} + {w} * 1], tmm0",
-                    a0 = in(reg) a0, b0 = in(reg) b0, c = in(reg) c.0.as_mut_ptr(),
-                    s = in(reg) stride, w = in(reg) 64usize,
-                    options(nostack),
-                );
-            } else {
-                asm!(
-                    "tileloadd tmm2, [{a0} + {s} * 1]",
-                    "tileloadd tmm4, [{b0} + {w} * 1]",
-                    "tilezero tmm0",
-                    "tdpbsud tmm0, tmm2, tmm4",
-                    "tilestored [{c} + {w} * 1], tmm0",
-                    a0 = in(reg) a0, b0 = in(reg) b0, c = in(reg) c.0.as_mut_ptr(),
-                    s = in(reg) stride, w = in(reg) 64usize,
-                    options(nostack),
-                );
+            match signed {
+                true => dot1!("tdpbssd"),
+                false => dot1!("tdpbsud"),
             }
         }
     }
@@ -123,43 +119,32 @@ impl Tiles {
         stride: usize,
         b: [*const u8; 2],
     ) {
+        macro_rules! dot2 {
+            ($op:literal) => {
+                asm!(
+                    "tileloadd tmm2, [{a0} + {s} * 1]",
+                    "tileloadd tmm4, [{b0} + {w} * 1]",
+                    "tileloadd tmm3, [{a1} + {s} * 1]",
+                    "tileloadd tmm5, [{b1} + {w} * 1]",
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    concat!($op, " tmm0, tmm2, tmm4"),
+                    concat!($op, " tmm1, tmm3, tmm5"),
+                    "tilestored [{c0} + {w} * 1], tmm0",
+                    "tilestored [{c1} + {w} * 1], tmm1",
+                    a0 = in(reg) a[0], a1 = in(reg) a[1], b0 = in(reg) b[0], b1 = in(reg) b[1],
+                    c0 = in(reg) c.0.as_mut_ptr(), c1 = in(reg) c.0.as_mut_ptr().add(ROWS),
+                    s = in(reg) stride, w = in(reg) 64usize,
+                    options(nostack),
+                )
+            };
+        }
+        debug_assert!(self.rows <= ROWS);
         // SAFETY: the caller's bounds; the tiles are configured (self exists).
         unsafe {
-            let c1 = c.0.as_mut_ptr().add(ROWS);
-            if signed {
-                asm!(
-                    "tileloadd tmm2, [{a0} + {s} * 1]",
-                    "tileloadd tmm4, [{b0} + {w} * 1]",
-                    "tileloadd tmm3, [{a1} + {s} * 1]",
-                    "tileloadd tmm5, [{b1} + {w} * 1]",
-                    "tilezero tmm0",
-                    "tilezero tmm1",
-                    "tdpbssd tmm0, tmm2, tmm4",
-                    "tdpbssd tmm1, tmm3, tmm5",
-                    "tilestored [{c0} + {w} * 1], tmm0",
-                    "tilestored [{c1} + {w} * 1], tmm1",
-                    a0 = in(reg) a[0], a1 = in(reg) a[1], b0 = in(reg) b[0], b1 = in(reg) b[1],
-                    c0 = in(reg) c.0.as_mut_ptr(), c1 = in(reg) c1,
-                    s = in(reg) stride, w = in(reg) 64usize,
-                    options(nostack),
-                );
-            } else {
-                asm!(
-                    "tileloadd tmm2, [{a0} + {s} * 1]",
-                    "tileloadd tmm4, [{b0} + {w} * 1]",
-                    "tileloadd tmm3, [{a1} + {s} * 1]",
-                    "tileloadd tmm5, [{b1} + {w} * 1]",
-                    "tilezero tmm0",
-                    "tilezero tmm1",
-                    "tdpbsud tmm0, tmm2, tmm4",
-                    "tdpbsud tmm1, tmm3, tmm5",
-                    "tilestored [{c0} + {w} * 1], tmm0",
-                    "tilestored [{c1} + {w} * 1], tmm1",
-                    a0 = in(reg) a[0], a1 = in(reg) a[1], b0 = in(reg) b[0], b1 = in(reg) b[1],
-                    c0 = in(reg) c.0.as_mut_ptr(), c1 = in(reg) c1,
-                    s = in(reg) stride, w = in(reg) 64usize,
-                    options(nostack),
-                );
+            match signed {
+                true => dot2!("tdpbssd"),
+                false => dot2!("tdpbsud"),
             }
         }
     }

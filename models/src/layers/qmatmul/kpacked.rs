@@ -263,6 +263,37 @@ mod x86 {
         (a.q.as_ptr().add(at) as *const i32).read_unaligned()
     }
 
+    /// The end of super-block `s` (at `p`) for rows `a` (the first `sumi.len()`), given their
+    /// scaled integer sums `sumi`: the mins term, then the two float multiply-adds per row.
+    #[inline(always)]
+    unsafe fn super_block_end(
+        p: *const u8,
+        a: &[ActRow<'_>],
+        s: usize,
+        sumi: &[__m512i],
+        acc: &mut [__m512],
+        accm: &mut [__m512],
+    ) {
+        let rows = sumi.len();
+        let mut summ = [_mm512_setzero_si512(); amx::ROWS];
+        for sub in 0..8 {
+            let mn =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(AT_M + sub * LANES) as *const __m128i));
+            for r in 0..rows {
+                let b = _mm512_set1_epi32(bsum32(&a[r], s, sub));
+                summ[r] = _mm512_add_epi32(summ[r], _mm512_mullo_epi32(mn, b));
+            }
+        }
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i));
+        let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(2 * LANES) as *const __m256i));
+        for r in 0..rows {
+            let da = _mm512_set1_ps(*a[r].d.get_unchecked(s));
+            let (sd, sm) = (_mm512_mul_ps(d, da), _mm512_mul_ps(dmin, da));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), sd, acc[r]);
+            accm[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ[r]), sm, accm[r]);
+        }
+    }
+
     /// # Safety
     /// AVX-512F/BW/VL/VNNI, AVX2, FMA and F16C; `group` holds `a[r].d.len()` super-blocks.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -307,24 +338,7 @@ mod x86 {
                     sumi[r] = _mm512_add_epi32(sumi[r], v);
                 }
             }
-            let mut summ = [_mm512_setzero_si512(); R];
-            for sub in 0..8 {
-                let mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                    p.add(AT_M + sub * LANES) as *const __m128i
-                ));
-                for r in 0..R {
-                    let b = _mm512_set1_epi32(bsum32(&a[r], s, sub));
-                    summ[r] = _mm512_add_epi32(summ[r], _mm512_mullo_epi32(mn, b));
-                }
-            }
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i));
-            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(2 * LANES) as *const __m256i));
-            for r in 0..R {
-                let da = _mm512_set1_ps(*a[r].d.get_unchecked(s));
-                let (sd, sm) = (_mm512_mul_ps(d, da), _mm512_mul_ps(dmin, da));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), sd, acc[r]);
-                accm[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ[r]), sm, accm[r]);
-            }
+            super_block_end(p, a, s, &sumi, &mut acc, &mut accm);
         }
         let mut out = [[0f32; LANES]; R];
         for r in 0..R {
@@ -381,24 +395,7 @@ mod x86 {
                     sumi[r] = _mm512_add_epi32(sumi[r], v);
                 }
             }
-            let mut summ = [_mm512_setzero_si512(); amx::ROWS];
-            for sub in 0..8 {
-                let mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                    p.add(AT_M + sub * LANES) as *const __m128i
-                ));
-                for r in 0..rows {
-                    let b = _mm512_set1_epi32(bsum32(&a[r], s, sub));
-                    summ[r] = _mm512_add_epi32(summ[r], _mm512_mullo_epi32(mn, b));
-                }
-            }
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i));
-            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(2 * LANES) as *const __m256i));
-            for r in 0..rows {
-                let da = _mm512_set1_ps(*a[r].d.get_unchecked(s));
-                let (sd, sm) = (_mm512_mul_ps(d, da), _mm512_mul_ps(dmin, da));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), sd, acc[r]);
-                accm[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ[r]), sm, accm[r]);
-            }
+            super_block_end(p, a, s, &sumi[..rows], &mut acc, &mut accm);
         }
         drop(tiles);
         for (r, y) in ys.iter_mut().enumerate() {
