@@ -387,12 +387,12 @@ mod x86 {
                 let sch = _mm512_cvtepu8_epi32(_mm_loadu_si128(
                     p.add(AT_SC + (2 * ch + 1) * LANES) as *const __m128i,
                 ));
-                for r in 0..rows {
+                for (r, sumi) in sumi[..rows].iter_mut().enumerate() {
                     let il = _mm512_load_si512(c.0.as_ptr().add(r) as *const _);
                     let ih = _mm512_load_si512(c.0.as_ptr().add(amx::ROWS + r) as *const _);
                     let v =
                         _mm512_add_epi32(_mm512_mullo_epi32(il, scl), _mm512_mullo_epi32(ih, sch));
-                    sumi[r] = _mm512_add_epi32(sumi[r], v);
+                    *sumi = _mm512_add_epi32(*sumi, v);
                 }
             }
             super_block_end(p, a, s, &sumi[..rows], &mut acc, &mut accm);
