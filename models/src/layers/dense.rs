@@ -159,8 +159,8 @@ impl Elem for bf16 {
 fn task<E: Elem>(isa: Isa, w: &[E], xs: &[f32], m: usize, k: usize, out: &mut [f32]) {
     match isa.level() {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: an `Avx512` token is only made after checking AVX-512F (and AVX2/FMA).
-        Level::Avx512 => unsafe { x86::task_avx512(w, xs, m, k, out) },
+        // SAFETY: `Avx512` and `Amx` tokens are only made after checking AVX-512F (and AVX2/FMA).
+        Level::Avx512 | Level::Amx => unsafe { x86::task_avx512(w, xs, m, k, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Avx2` and `AvxVnni` tokens are only made after checking AVX2, FMA and F16C.
         Level::Avx2 | Level::AvxVnni => unsafe { x86::task_avx2(w, xs, m, k, out) },

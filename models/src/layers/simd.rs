@@ -5,6 +5,7 @@
 //! handed an `Isa` may use its instructions without further checks. The paths, best first:
 //!
 //! ```text
+//!  amx      avx512 + AMX-TILE/INT8, tiles granted by Linux  tdpbsud/tdpbssd, 8+ rows
 //!  avx512   avx512f + bw + vl + vnni (+ avx2, fma, f16c)  EVEX vpdpbusd, 512-bit FMA (dense)
 //!  avxvnni  avxvnni (+ avx2, fma, f16c)                   256-bit vpdpbusd (VEX)
 //!  avx2     avx2 + fma + f16c                             vpmaddubsw + vpmaddwd, 256-bit FMA
@@ -14,8 +15,12 @@
 //! On `avx512` the 32-element quantized types (`qmatmul/packed.rs`) run 512-bit `vpdpbusd`
 //! with one weight row per 32-bit lane; the k-quants run the EVEX encodings on 256-bit
 //! registers. The `avxvnni` level runs the AVX2 builds of the packed kernels (bit-identical).
+//! The `amx` level is `avx512` plus tile kernels for the quantized matmuls of 8 rows or more
+//! (`qmatmul/amx.rs`): the same exact integer sums per block and the same float operations,
+//! so its bits equal `avx512`'s; Linux must grant the process the tile state
+//! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once), else the level is unavailable.
 //!
-//! `SPECULA_ISA=scalar|avx2|avxvnni|avx512` forces a path for the whole process (benchmarks,
+//! `SPECULA_ISA=scalar|avx2|avxvnni|avx512|amx` forces a path for the whole process (benchmarks,
 //! A/B runs, reproducing a CI machine); asking for one this CPU lacks is an error at model load.
 //! A row's result is bit-identical whatever the number of rows in the call on every path; two
 //! paths may differ from each other in the last bits.
@@ -40,9 +45,16 @@ pub(crate) enum Level {
     Avx2,
     AvxVnni,
     Avx512,
+    Amx,
 }
 
-const LEVELS: [Level; 4] = [Level::Scalar, Level::Avx2, Level::AvxVnni, Level::Avx512];
+const LEVELS: [Level; 5] = [
+    Level::Scalar,
+    Level::Avx2,
+    Level::AvxVnni,
+    Level::Avx512,
+    Level::Amx,
+];
 
 impl Level {
     fn name(self) -> &'static str {
@@ -51,6 +63,7 @@ impl Level {
             Level::Avx2 => "avx2",
             Level::AvxVnni => "avxvnni",
             Level::Avx512 => "avx512",
+            Level::Amx => "amx",
         }
     }
 
@@ -71,6 +84,7 @@ impl Level {
                         && is_x86_feature_detected!("avx512vl")
                         && is_x86_feature_detected!("avx512vnni")
                 }
+                Level::Amx => Level::Avx512.supported() && amx::usable(),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -84,7 +98,7 @@ impl Isa {
     /// The portable path, which every CPU runs.
     pub const SCALAR: Isa = Isa(Level::Scalar);
 
-    /// The best path this CPU runs (512-bit before 256-bit VNNI before AVX2).
+    /// The best path this CPU runs (AMX tiles before 512-bit before 256-bit VNNI before AVX2).
     pub fn detect() -> Isa {
         *Self::available()
             .last()
@@ -100,7 +114,7 @@ impl Isa {
             .collect()
     }
 
-    /// The path named `name` (`scalar`, `avx2`, `avxvnni`, `avx512`).
+    /// The path named `name` (`scalar`, `avx2`, `avxvnni`, `avx512`, `amx`).
     ///
     /// # Errors
     /// If the name is unknown or this CPU lacks the instructions.
@@ -152,6 +166,60 @@ impl Isa {
     }
 }
 
+/// Whether this CPU has AMX-TILE and AMX-INT8 and the kernel lets this process use the tiles.
+#[cfg(target_arch = "x86_64")]
+mod amx {
+    use std::sync::OnceLock;
+
+    /// CPUID leaf 7, EDX: AMX-TILE (bit 24) and AMX-INT8 (bit 25).
+    fn cpu_has_amx() -> bool {
+        let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
+        edx >> 24 & 1 == 1 && edx >> 25 & 1 == 1
+    }
+
+    /// Asks Linux once for the tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM,
+    /// XFEATURE_XTILEDATA)`); the grant holds for every thread of the process. Other systems,
+    /// and kernels that refuse, leave the `amx` path unavailable.
+    pub(super) fn usable() -> bool {
+        static GRANTED: OnceLock<bool> = OnceLock::new();
+        *GRANTED.get_or_init(|| cpu_has_amx() && request_tiles())
+    }
+
+    #[cfg(target_os = "linux")]
+    fn request_tiles() -> bool {
+        const SYS_ARCH_PRCTL: i64 = 158;
+        const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+        const XFEATURE_XTILEDATA: i64 = 18;
+        let ret: i64;
+        // SAFETY: the arch_prctl system call with these arguments only changes this process's
+        // permitted extended-state set; it reads and writes no memory of ours.
+        unsafe {
+            std::arch::asm!(
+                "syscall",
+                inlateout("rax") SYS_ARCH_PRCTL => ret,
+                in("rdi") ARCH_REQ_XCOMP_PERM,
+                in("rsi") XFEATURE_XTILEDATA,
+                lateout("rcx") _,
+                lateout("r11") _,
+                options(nostack),
+            );
+        }
+        ret == 0
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn request_tiles() -> bool {
+        false
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod amx {
+    pub(super) fn usable() -> bool {
+        false
+    }
+}
+
 impl fmt::Display for Isa {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
@@ -185,7 +253,8 @@ mod tests {
     }
 
     /// The choice follows the CPU: `avx512` needs avx512f as well as VNNI (the EVEX kernels
-    /// enable it), and it wins over 256-bit AVX-VNNI when a CPU has both.
+    /// enable it), and it wins over 256-bit AVX-VNNI when a CPU has both; `amx` wins over it
+    /// where the tiles are usable.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_512_bit_path_needs_avx512f_and_wins() {
@@ -200,6 +269,8 @@ mod tests {
         let full = ["avx2", "avx512f", "avx512bw", "avx512vl", "avx512vnni"]
             .iter()
             .all(|f| has(f));
-        assert_eq!(Isa::detect().level() == Level::Avx512, full);
+        let best = Isa::detect().level();
+        assert_eq!(best >= Level::Avx512, full);
+        assert_eq!(best == Level::Amx, full && amx::usable());
     }
 }

@@ -29,13 +29,10 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::kquant::{ActRow, QK_K};
-use super::packed::{scatter, LANES};
+use super::packed::{rows_per_pass, scatter, AMX_MIN_ROWS, LANES, MAX_ROWS};
 use crate::layers::simd::Isa;
 #[cfg(target_arch = "x86_64")]
 use crate::layers::simd::Level;
-
-/// Activation rows per pass over a group's weights (each unpacked weight vector serves them all).
-const ROWS: usize = 8;
 
 /// Stored bytes of a GGUF `Q4_K` super-block.
 const SRC: usize = 144;
@@ -145,14 +142,15 @@ impl KPacked {
     pub(super) fn rows_task(&self, isa: Isa, acts: &[ActRow<'_>], g0: usize, out: &mut [f32]) {
         let m = acts.len();
         let rows_here = out.len() / m;
-        let mut ys = [[0f32; LANES]; ROWS];
+        let chunk = rows_per_pass(isa);
+        let mut ys = [[0f32; LANES]; MAX_ROWS];
         for (gi, out) in out.chunks_mut(LANES * m).enumerate() {
             let group = self.group(g0 + gi);
             let lanes = (rows_here - gi * LANES).min(LANES);
-            for (c, a) in acts.chunks(ROWS).enumerate() {
+            for (c, a) in acts.chunks(chunk).enumerate() {
                 let ys = &mut ys[..a.len()];
                 group_dot(isa, group, a, ys);
-                scatter(ys, c * ROWS, m, lanes, out);
+                scatter(ys, c * chunk, m, lanes, out);
             }
         }
     }
@@ -185,7 +183,7 @@ fn weight(blk: &[u8], lane: usize, i: usize) -> i32 {
 }
 
 /// `ys[r]` = the 16 outputs of one group against activation row `a[r]` (`a.len() == ys.len()
-/// <= ROWS`).
+/// <= MAX_ROWS`).
 fn group_dot(isa: Isa, group: &[u8], a: &[ActRow<'_>], ys: &mut [[f32; LANES]]) {
     #[cfg(target_arch = "x86_64")]
     {
@@ -208,7 +206,9 @@ fn group_dot(isa: Isa, group: &[u8], a: &[ActRow<'_>], ys: &mut [[f32; LANES]]) 
             };
         }
         match isa.level() {
-            Level::Avx512 => return go!(avx512),
+            // SAFETY: an `Amx` token proves AVX-512 and the granted tiles.
+            Level::Amx if a.len() >= AMX_MIN_ROWS => return unsafe { x86::amx(group, a, ys) },
+            Level::Avx512 | Level::Amx => return go!(avx512),
             Level::Avx2 | Level::AvxVnni => return go!(avx2),
             Level::Scalar => {}
         }
@@ -251,6 +251,7 @@ fn scalar(group: &[u8], a: ActRow<'_>) -> [f32; LANES] {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::super::amx;
     use super::{bsum32, ActRow, AT_M, AT_Q, AT_SC, BLOCK, LANES, QK_K};
     use std::arch::x86_64::*;
 
@@ -260,6 +261,37 @@ mod x86 {
     #[inline(always)]
     unsafe fn act4(a: &ActRow<'_>, at: usize) -> i32 {
         (a.q.as_ptr().add(at) as *const i32).read_unaligned()
+    }
+
+    /// The end of super-block `s` (at `p`) for rows `a` (the first `sumi.len()`), given their
+    /// scaled integer sums `sumi`: the mins term, then the two float multiply-adds per row.
+    #[inline(always)]
+    unsafe fn super_block_end(
+        p: *const u8,
+        a: &[ActRow<'_>],
+        s: usize,
+        sumi: &[__m512i],
+        acc: &mut [__m512],
+        accm: &mut [__m512],
+    ) {
+        let rows = sumi.len();
+        let mut summ = [_mm512_setzero_si512(); amx::ROWS];
+        for sub in 0..8 {
+            let mn =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(AT_M + sub * LANES) as *const __m128i));
+            for r in 0..rows {
+                let b = _mm512_set1_epi32(bsum32(&a[r], s, sub));
+                summ[r] = _mm512_add_epi32(summ[r], _mm512_mullo_epi32(mn, b));
+            }
+        }
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i));
+        let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(2 * LANES) as *const __m256i));
+        for r in 0..rows {
+            let da = _mm512_set1_ps(*a[r].d.get_unchecked(s));
+            let (sd, sm) = (_mm512_mul_ps(d, da), _mm512_mul_ps(dmin, da));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), sd, acc[r]);
+            accm[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ[r]), sm, accm[r]);
+        }
     }
 
     /// # Safety
@@ -306,30 +338,69 @@ mod x86 {
                     sumi[r] = _mm512_add_epi32(sumi[r], v);
                 }
             }
-            let mut summ = [_mm512_setzero_si512(); R];
-            for sub in 0..8 {
-                let mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                    p.add(AT_M + sub * LANES) as *const __m128i
-                ));
-                for r in 0..R {
-                    let b = _mm512_set1_epi32(bsum32(&a[r], s, sub));
-                    summ[r] = _mm512_add_epi32(summ[r], _mm512_mullo_epi32(mn, b));
-                }
-            }
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i));
-            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(2 * LANES) as *const __m256i));
-            for r in 0..R {
-                let da = _mm512_set1_ps(*a[r].d.get_unchecked(s));
-                let (sd, sm) = (_mm512_mul_ps(d, da), _mm512_mul_ps(dmin, da));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), sd, acc[r]);
-                accm[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ[r]), sm, accm[r]);
-            }
+            super_block_end(p, a, s, &sumi, &mut acc, &mut accm);
         }
         let mut out = [[0f32; LANES]; R];
         for r in 0..R {
             _mm512_storeu_ps(out[r].as_mut_ptr(), _mm512_sub_ps(acc[r], accm[r]));
         }
         out
+    }
+
+    /// The `amx` build for [`super::AMX_MIN_ROWS`] to 16 rows: per chunk of two sub-blocks,
+    /// the nibbles split into two B tiles and two tile products give the 16 x rows integer sums of each sub-block;
+    /// then the [`avx512`] build's integer scaling and float operations, so the same bits.
+    ///
+    /// # Safety
+    /// An `amx` token; `group` holds `a[r].d.len()` super-blocks; `a` are rows of one
+    /// activation buffer (checked) and `ys.len() == a.len()`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn amx(group: &[u8], a: &[ActRow<'_>], ys: &mut [[f32; LANES]]) {
+        let nsb = a[0].d.len();
+        let rows = a.len();
+        let stride = amx::row_stride(a.iter().map(|r| r.q));
+        let tiles = amx::Tiles::configure(rows);
+        let m4 = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); amx::ROWS];
+        let mut accm = [_mm512_setzero_ps(); amx::ROWS];
+        let mut c = amx::CTiles([[0; 16]; 2 * amx::ROWS]);
+        let mut bt = amx::BTiles([0; 2 * amx::B_BYTES]);
+        for s in 0..nsb {
+            let p = group.as_ptr().add(s * BLOCK);
+            let mut sumi = [_mm512_setzero_si512(); amx::ROWS];
+            for ch in 0..4 {
+                let dst = bt.0.as_mut_ptr();
+                for t in 0..8 {
+                    let at = AT_Q + (8 * ch + t) * 4 * LANES;
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(at + PREFETCH) as *const i8);
+                    let v = _mm512_loadu_si512(p.add(at) as *const _);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                    _mm512_storeu_si512(dst.add(64 * t) as *mut _, _mm512_and_si512(v, m4));
+                    _mm512_storeu_si512(dst.add(amx::B_BYTES + 64 * t) as *mut _, hi);
+                }
+                let x = a[0].q.as_ptr().add(s * QK_K + 64 * ch);
+                let b = [dst as *const u8, dst.add(amx::B_BYTES) as *const u8];
+                tiles.dot2(false, &mut c, [x, x.add(32)], stride, b);
+                let scl = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                    p.add(AT_SC + 2 * ch * LANES) as *const __m128i
+                ));
+                let sch = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                    p.add(AT_SC + (2 * ch + 1) * LANES) as *const __m128i,
+                ));
+                for (r, sumi) in sumi[..rows].iter_mut().enumerate() {
+                    let il = _mm512_load_si512(c.0.as_ptr().add(r) as *const _);
+                    let ih = _mm512_load_si512(c.0.as_ptr().add(amx::ROWS + r) as *const _);
+                    let v =
+                        _mm512_add_epi32(_mm512_mullo_epi32(il, scl), _mm512_mullo_epi32(ih, sch));
+                    *sumi = _mm512_add_epi32(*sumi, v);
+                }
+            }
+            super_block_end(p, a, s, &sumi[..rows], &mut acc, &mut accm);
+        }
+        drop(tiles);
+        for (r, y) in ys.iter_mut().enumerate() {
+            _mm512_storeu_ps(y.as_mut_ptr(), _mm512_sub_ps(acc[r], accm[r]));
+        }
     }
 
     /// Per 32-bit lane the 16-bit pair `(v, v)` of the 8 bytes at `p` (lanes `8h..8h+8` of a

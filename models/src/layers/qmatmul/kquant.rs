@@ -327,7 +327,7 @@ mod x86 {
         a: &[ActRow<'_>; R],
     ) -> [f32; R] {
         match isa.level() {
-            Level::Avx512 => q6k_avx512(row, a),
+            Level::Avx512 | Level::Amx => q6k_avx512(row, a),
             Level::AvxVnni => q6k_avxvnni(row, a),
             _ => q6k_avx2(row, a),
         }

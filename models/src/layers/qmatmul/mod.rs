@@ -28,6 +28,8 @@
 //! Reference: ggml's `vec_dot_q*_q8_*` (`ggml-cpu/arch/x86/quants.c`) and its repacked
 //! `gemv`/`gemm` kernels (`ggml-cpu/repack.cpp`).
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod kpacked;
 mod kquant;
 mod packed;

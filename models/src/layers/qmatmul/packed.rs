@@ -46,6 +46,15 @@ pub(super) const QK: usize = 32;
 /// rows (a verify window of 8 reads the weights once).
 const ROWS: usize = 8;
 
+/// Most activation rows per pass on any path (the `amx` tile kernels' rows).
+pub(super) const MAX_ROWS: usize = 16;
+
+/// Fewest activation rows of a pass that the `amx` path runs on tiles: below it the tile setup
+/// and the C tile's round trip through memory cost more than the VNNI kernels (CPU time on
+/// SmolLM2 and Qwen 0.5B, ctx 256: 2 and 4 rows slower on tiles, 8 even, 16 faster); the
+/// bits are the same either way.
+pub(super) const AMX_MIN_ROWS: usize = 8;
+
 /// Whether [`Packed::new`] takes this type.
 pub(super) fn supports(dtype: GgmlDType) -> bool {
     matches!(
@@ -263,17 +272,29 @@ impl Packed {
     pub(super) fn rows_task(&self, isa: Isa, acts: &[ActRow<'_>], g0: usize, out: &mut [f32]) {
         let m = acts.len();
         let rows_here = out.len() / m;
-        let mut ys = [[0f32; LANES]; ROWS];
+        let chunk = rows_per_pass(isa);
+        let mut ys = [[0f32; LANES]; MAX_ROWS];
         for (gi, out) in out.chunks_mut(LANES * m).enumerate() {
             let group = self.group(g0 + gi);
             let lanes = (rows_here - gi * LANES).min(LANES);
-            for (c, a) in acts.chunks(ROWS).enumerate() {
+            for (c, a) in acts.chunks(chunk).enumerate() {
                 let ys = &mut ys[..a.len()];
                 group_dot(isa, self.format, self.kind, group, a, ys);
-                scatter(ys, c * ROWS, m, lanes, out);
+                scatter(ys, c * chunk, m, lanes, out);
             }
         }
     }
+}
+
+/// Activation rows per pass over a group's weights on the path `isa`: [`MAX_ROWS`] for the
+/// `amx` tile kernels, else [`ROWS`].
+pub(super) fn rows_per_pass(isa: Isa) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if isa.level() == Level::Amx {
+        return MAX_ROWS;
+    }
+    let _ = isa;
+    ROWS
 }
 
 /// `out[j * m + r0 + r] = ys[r][j]` for the first `lanes` lanes (one decode row: a copy).
@@ -291,7 +312,7 @@ pub(super) fn scatter(ys: &[[f32; LANES]], r0: usize, m: usize, lanes: usize, ou
 }
 
 /// `ys[r]` = the 16 outputs of one group against activation row `a[r]` (`a.len() == ys.len()
-/// <= ROWS`); `kind` is `f`'s index in [`FORMATS`].
+/// <= MAX_ROWS`). `kind` is `f`'s index in [`FORMATS`].
 fn group_dot(
     isa: Isa,
     f: Format,
@@ -347,7 +368,16 @@ fn group_dot(
             };
         }
         match isa.level() {
-            Level::Avx512 => return go!(avx512),
+            // SAFETY: an `Amx` token proves AVX-512 and the granted tiles.
+            Level::Amx if a.len() >= AMX_MIN_ROWS => unsafe {
+                return match kind {
+                    0 => x86::amx::<0>(group, a, ys),
+                    1 => x86::amx::<1>(group, a, ys),
+                    2 => x86::amx::<2>(group, a, ys),
+                    _ => x86::amx::<3>(group, a, ys),
+                };
+            },
+            Level::Avx512 | Level::Amx => return go!(avx512),
             Level::Avx2 | Level::AvxVnni => return go!(avx2),
             Level::Scalar => {}
         }
@@ -404,11 +434,14 @@ fn scalar(f: Format, group: &[u8], a: ActRow<'_>) -> [f32; LANES] {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::super::amx;
     use super::{ActRow, FORMATS, LANES, QK};
     use std::arch::x86_64::*;
 
     /// Bytes of the weight stream requested ahead of the block being read.
     const PREFETCH: usize = 1024;
+
+    const _: () = assert!(amx::ROWS <= super::MAX_ROWS && super::ROWS <= super::MAX_ROWS);
 
     /// The dword of activation bytes `4c..4c+4` of block `b`.
     #[inline(always)]
@@ -486,6 +519,87 @@ mod x86 {
             _mm512_storeu_ps(out[r].as_mut_ptr(), _mm512_add_ps(acc[r], accm[r]));
         }
         out
+    }
+
+    /// The `amx` build for [`super::AMX_MIN_ROWS`] to 16 rows: per block, one tile product
+    /// gives the 16 x rows integer sums (the nibble types unpacked into a B tile first; `Q5_0`/`Q8_0` blocks are B
+    /// tiles as packed), then the [`avx512`] build's float operations in its order, so the
+    /// same bits.
+    ///
+    /// # Safety
+    /// An `amx` token; `group` holds `a[r].d.len()` blocks of `f`; `a` are rows of one
+    /// activation buffer (checked) and `ys.len() == a.len()`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn amx<const K: usize>(
+        group: &[u8],
+        a: &[ActRow<'_>],
+        ys: &mut [[f32; LANES]],
+    ) {
+        let f = const { FORMATS[K] };
+        let bb = const { FORMATS[K].block_bytes() };
+        let nb = a[0].d.len();
+        let rows = a.len();
+        let stride = amx::row_stride(a.iter().map(|r| r.q));
+        let tiles = amx::Tiles::configure(rows);
+        let m4 = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); amx::ROWS];
+        let mut accm = [_mm512_setzero_ps(); amx::ROWS];
+        let mut c = amx::CTiles([[0; 16]; 2 * amx::ROWS]);
+        let mut bt = amx::BTiles([0; 2 * amx::B_BYTES]);
+        let mut b = 0;
+        while b < nb {
+            let pair = b + 1 < nb;
+            // The B tile of block `b + i`: the nibbles split into 8 rows of bytes, else the
+            // packed data itself.
+            let mut b_tile = |i: usize| {
+                let p = group.as_ptr().add((b + i) * bb);
+                for line in (0..bb).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH + line) as *const i8);
+                }
+                let q = p.add(f.data_at());
+                if !f.nibbles {
+                    return q;
+                }
+                let dst = bt.0.as_mut_ptr().add(i * amx::B_BYTES);
+                for c in 0..4 {
+                    let v = _mm512_loadu_si512(q.add(64 * c) as *const _);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                    _mm512_storeu_si512(dst.add(64 * c) as *mut _, _mm512_and_si512(v, m4));
+                    _mm512_storeu_si512(dst.add(64 * (c + 4)) as *mut _, hi);
+                }
+                dst as *const u8
+            };
+            let act = |i: usize| a[0].q.as_ptr().add((b + i) * QK);
+            if pair {
+                let bs = [b_tile(0), b_tile(1)];
+                tiles.dot2(f.signed, &mut c, [act(0), act(1)], stride, bs);
+            } else {
+                let b0 = b_tile(0);
+                tiles.dot1(f.signed, &mut c, act(0), stride, b0);
+            }
+            for i in 0..1 + pair as usize {
+                let p = group.as_ptr().add((b + i) * bb);
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i));
+                let mw = match f.stored_min {
+                    true => _mm512_cvtph_ps(_mm256_loadu_si256(p.add(2 * LANES) as *const __m256i)),
+                    false => _mm512_mul_ps(d, _mm512_set1_ps(f.min_factor)),
+                };
+                for r in 0..rows {
+                    let isum = _mm512_load_si512(c.0.as_ptr().add(i * amx::ROWS + r) as *const _);
+                    let s = _mm512_mul_ps(d, _mm512_set1_ps(*a[r].d.get_unchecked(b + i)));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[r]);
+                    if f.has_min() {
+                        let sa = _mm512_set1_ps(*a[r].s.get_unchecked(b + i));
+                        accm[r] = _mm512_fmadd_ps(mw, sa, accm[r]);
+                    }
+                }
+            }
+            b += 2;
+        }
+        drop(tiles);
+        for (r, y) in ys.iter_mut().enumerate() {
+            _mm512_storeu_ps(y.as_mut_ptr(), _mm512_add_ps(acc[r], accm[r]));
+        }
     }
 
     /// 8 lanes per register (two passes per group), `vpmaddubsw` + `vpmaddwd`.

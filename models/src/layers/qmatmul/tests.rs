@@ -41,7 +41,12 @@ fn max_abs(t: &Tensor) -> f32 {
 /// A small `[n, k]` weight (k spans two k-quant super-blocks; n = 40 leaves a partial group
 /// of 16 rows) quantized to `dtype`.
 fn weight(rng: &mut rand::rngs::StdRng, dtype: GgmlDType) -> (QTensor, Tensor) {
-    let w = randn(rng, (40, 512));
+    weight_of(rng, dtype, 512)
+}
+
+/// As [`weight`], `k` wide.
+fn weight_of(rng: &mut rand::rngs::StdRng, dtype: GgmlDType, k: usize) -> (QTensor, Tensor) {
+    let w = randn(rng, (40, k));
     let q = QTensor::quantize(&w, dtype).unwrap();
     let dense = q.dequantize(&Device::Cpu).unwrap();
     (q, dense)
@@ -148,17 +153,29 @@ fn rows_do_not_depend_on_row_count() {
 }
 
 /// Every build this CPU runs, the portable one included, gives the same bits for the packed
-/// types (per-lane integer sums and the same fused float operations), at every row count.
+/// types (per-lane integer sums and the same fused float operations), at every row count: the
+/// `amx` tile kernels (8 to 16 rows a pass, blocks in pairs plus an odd one) included.
 #[test]
 fn packed_builds_agree_exactly() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    for dtype in PACKED_TYPES.into_iter().chain([GgmlDType::Q4K]) {
-        let (q, _) = weight(&mut rng, dtype);
+    let shapes = PACKED_TYPES
+        .into_iter()
+        .flat_map(|t| [(t, 512), (t, 544)])
+        .chain([(GgmlDType::Q4K, 512), (GgmlDType::Q4K, 768)]);
+    for (dtype, k) in shapes {
+        let (q, _) = weight_of(&mut rng, dtype, k);
         let q = QWeight::new(Arc::new(q)).unwrap();
-        let xs = randn(&mut rng, (9, 512));
-        let want = bits(Isa::SCALAR, &q, &xs);
-        for isa in Isa::available() {
-            assert_eq!(bits(isa, &q, &xs), want, "{dtype:?} {isa} vs scalar");
+        let xs = randn(&mut rng, (35, k));
+        for m in [1, 2, 3, 9, 16, 17, 35] {
+            let xs = xs.narrow(0, 0, m).unwrap();
+            let want = bits(Isa::SCALAR, &q, &xs);
+            for isa in Isa::available() {
+                assert_eq!(
+                    bits(isa, &q, &xs),
+                    want,
+                    "{dtype:?} k {k} m {m}: {isa} vs scalar"
+                );
+            }
         }
     }
 }
