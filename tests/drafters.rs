@@ -499,16 +499,13 @@ fn sigkill_of_the_drafter_leaks_no_fds_or_shm_on_the_host() {
     assert_eq!(dev_shm(), shm_before);
 }
 
-#[test]
-fn sigkill_of_the_host_ends_the_drafter() {
+/// SIGKILLs a `mini-host` serving `drafter args…`: the drafter must end, and leave no shm.
+fn host_killed_under(drafter: &str, args: &[&str]) {
     let shm_before = dev_shm();
     let mut host = Command::new(bin_path("mini-host"))
-        .args([
-            "wait",
-            bin_path("chaos-drafter").to_str().unwrap(),
-            "--mode",
-            "taps-check",
-        ])
+        .arg("wait")
+        .arg(bin_path(drafter))
+        .args(args)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -528,6 +525,46 @@ fn sigkill_of_the_host_ends_the_drafter() {
         std::thread::sleep(Duration::from_millis(10));
     }
     assert_eq!(dev_shm(), shm_before);
+}
+
+#[test]
+fn sigkill_of_the_host_ends_the_drafter() {
+    host_killed_under("chaos-drafter", &["--mode", "taps-check"]);
+}
+
+/// A drafter asleep on its doorbell's futex hears of a dead host from the socket.
+#[test]
+fn sigkill_of_the_host_ends_a_drafter_waiting_on_its_doorbell() {
+    host_killed_under("ngram", &[]);
+}
+
+/// The doorbell (protocol 1.3) changes the transport only: the same requests get the same
+/// drafts as on the socket, and it is what an SDK drafter gets unless the host turns it off.
+#[test]
+fn ngram_drafts_the_same_through_the_doorbell_and_the_socket() {
+    let mut drafts = Vec::new();
+    for spin in [Some(Duration::ZERO), Some(Duration::from_micros(500)), None] {
+        let config = ClientConfig {
+            doorbell_spin: spin,
+            ..config()
+        };
+        let mut c = start("ngram", &[], config).unwrap();
+        assert_eq!(c.doorbell(), spin.is_some(), "{spin:?}");
+        c.open(3, &[10, 11, 12, 13, 14, 99, 10, 11], &greedy(), None);
+        let mut got = vec![draft(&mut c, 3, 3).tokens];
+        c.commit(3, &verdict(3, 3, &[12, 13, 14, 99]));
+        c.advance(3, &[10, 11], None);
+        got.push(draft(&mut c, 3, 4).tokens);
+        c.close(3);
+        got.push(draft(&mut c, 3, 4).tokens);
+        assert_eq!(c.stats().restarts, 0);
+        drafts.push(got);
+    }
+    assert_eq!(
+        drafts[0],
+        vec![vec![12, 13, 14], vec![12, 13, 14, 99], vec![]]
+    );
+    assert!(drafts.iter().all(|d| *d == drafts[0]), "{drafts:?}");
 }
 
 #[test]

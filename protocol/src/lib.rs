@@ -18,6 +18,7 @@
 //! - [`wire`]: every message that crosses the process boundary.
 //! - [`shm`]: the host-written, drafter-read shared-memory ring of tensors.
 //! - [`donor`]: K/V donor views (1.2): the host's KV pool blocks, mapped read-only.
+//! - [`doorbell`]: session messages through shared-memory rings and a futex (1.3).
 //! - [`transport`]: bootstrap over `ipc-channel` and the version-checked sender.
 //! - [`sdk`]: the [`sdk::Drafter`] trait and [`sdk::serve`], which is all a third-party drafter needs.
 //!
@@ -25,6 +26,7 @@
 #![deny(missing_docs)]
 
 pub mod donor;
+pub mod doorbell;
 pub mod error;
 pub mod sdk;
 pub mod shm;

@@ -63,6 +63,9 @@ pub struct DrafterInfo {
     /// Whether the `kv_layers` are wanted as K/V donor views (1.2; [`DraftAsk::donors`]) rather
     /// than as rows in the taps.
     pub kv_donor_views: bool,
+    /// Whether the session messages may move onto a doorbell (1.3; the SDK does all of it): on
+    /// by default, [`DrafterInfo::without_doorbell`] keeps the socket.
+    pub doorbell: bool,
 }
 
 impl DrafterInfo {
@@ -75,6 +78,15 @@ impl DrafterInfo {
             versions: vec![PROTOCOL_VERSION],
             late_capabilities: false,
             kv_donor_views: false,
+            doorbell: true,
+        }
+    }
+
+    /// The same, keeping every message on the socket (no doorbell, whatever the host offers).
+    pub fn without_doorbell(self) -> Self {
+        DrafterInfo {
+            doorbell: false,
+            ..self
         }
     }
 
@@ -431,6 +443,7 @@ pub fn run<D: Drafter>(mut drafter: D, bootstrap: &str) -> Result<Outcome> {
         capabilities: info.capabilities.clone(),
         late_capabilities: info.late_capabilities,
         kv_donor_views: info.kv_donor_views,
+        doorbell: info.doorbell,
     };
     let connected = transport::connect(bootstrap, &hello)?;
     let welcome = match connected.reply {

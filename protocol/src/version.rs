@@ -19,7 +19,7 @@ pub struct Version {
 }
 
 /// The newest protocol version this crate speaks.
-pub const PROTOCOL_VERSION: Version = Version { major: 1, minor: 2 };
+pub const PROTOCOL_VERSION: Version = Version { major: 1, minor: 3 };
 
 impl fmt::Display for Version {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -83,6 +83,6 @@ mod tests {
     #[test]
     fn lists_and_displays() {
         assert_eq!(list(&[v(1, 0), v(2, 7)]), "1.0, 2.7");
-        assert_eq!(PROTOCOL_VERSION.to_string(), "1.2");
+        assert_eq!(PROTOCOL_VERSION.to_string(), "1.3");
     }
 }

@@ -58,6 +58,12 @@ pub struct Hello {
     /// @since protocol v1.2
     #[serde(default)]
     pub kv_donor_views: bool,
+    /// Whether the drafter takes its requests and sends its replies through a doorbell
+    /// ([`MapDoorbell`]: shared-memory rings and a futex) once the host maps one. A host at
+    /// ≥ 1.3 then sends `MapDoorbell` on the socket and every later message in the rings; any
+    /// other host keeps the socket. @since protocol v1.3
+    #[serde(default)]
+    pub doorbell: bool,
 }
 
 /// What a drafter can do and which target activations it wants after each verify forward.
@@ -375,6 +381,20 @@ pub struct DonorTables {
     pub tables: Vec<DonorTable>,
 }
 
+/// Moves the session messages onto a doorbell (see [`crate::doorbell`]): every request after
+/// this one comes through the region's host → drafter ring (those that carry a file descriptor,
+/// or do not fit half a ring, on the socket, announced by an empty frame in the ring), and every
+/// reply goes into its drafter → host ring. Sent once, on the socket, only to a drafter whose
+/// Hello set `doorbell`. @since protocol v1.3
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MapDoorbell {
+    /// The region (a memfd) holding both rings.
+    pub shm: IpcSharedMemory,
+    /// How long a side polls its incoming ring before it sleeps on the futex, in µs (the host's
+    /// choice: polling through a target forward makes the round trip cheapest, at a core's cost).
+    pub spin_us: u32,
+}
+
 /// A host request. Only [`Request::Draft`] gets a reply.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Request {
@@ -396,6 +416,18 @@ pub enum Request {
     MapDonors(MapDonors),
     /// See [`DonorTables`]. @since protocol v1.2
     DonorTables(DonorTables),
+    /// See [`MapDoorbell`]. @since protocol v1.3
+    MapDoorbell(MapDoorbell),
+}
+
+impl Request {
+    /// Whether the request carries a file descriptor: it can only travel on the socket.
+    pub fn carries_fd(&self) -> bool {
+        matches!(
+            self,
+            Request::MapRegion(_) | Request::MapDonors(_) | Request::MapDoorbell(_)
+        )
+    }
 }
 
 /// Everything host → drafter.
@@ -461,6 +493,7 @@ pub enum DrafterMsg {
 /// | `Advance`, `Proposed`, `Capabilities` (drafter → host) | 1.1 |
 /// | `Open`, `Commit` whose taps hold a bf16 view | 1.1 |
 /// | `MapDonors`, `DonorTables` | 1.2 |
+/// | `MapDoorbell` | 1.3 |
 pub trait Since {
     /// The message's name, for errors.
     fn kind(&self) -> &'static str;
@@ -471,8 +504,9 @@ pub trait Since {
 const V1_0: Version = Version { major: 1, minor: 0 };
 const V1_1: Version = Version { major: 1, minor: 1 };
 const V1_2: Version = Version { major: 1, minor: 2 };
+const V1_3: Version = Version { major: 1, minor: 3 };
 const _: () = assert!(PROTOCOL_VERSION.major == V1_0.major);
-const _: () = assert!(PROTOCOL_VERSION.minor >= V1_2.minor);
+const _: () = assert!(PROTOCOL_VERSION.minor >= V1_3.minor);
 
 /// bf16 views came with 1.1: a message carrying one needs a 1.1 peer.
 fn taps_since(taps: Option<&TapViews>) -> Version {
@@ -496,6 +530,7 @@ impl Since for HostMsg {
                 Request::Advance(_) => "Advance",
                 Request::MapDonors(_) => "MapDonors",
                 Request::DonorTables(_) => "DonorTables",
+                Request::MapDoorbell(_) => "MapDoorbell",
             },
         }
     }
@@ -512,6 +547,7 @@ impl Since for HostMsg {
                 Request::Commit(commit) => taps_since(commit.taps.as_ref()),
                 Request::Advance(_) => V1_1,
                 Request::MapDonors(_) | Request::DonorTables(_) => V1_2,
+                Request::MapDoorbell(_) => V1_3,
             },
         }
     }

@@ -130,6 +130,7 @@ fn hello() -> Hello {
         capabilities: capabilities(),
         late_capabilities: true,
         kv_donor_views: true,
+        doorbell: true,
     }
 }
 

@@ -2,8 +2,10 @@
 
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use specula_protocol::donor::{DonorBlock, DonorLayout, DonorWriter};
+use specula_protocol::doorbell::{decode, encode, Doorbell, Frame};
 use specula_protocol::sdk::{
     self, AdvanceArgs, Advanced, CommitArgs, DraftAsk, Drafter, DrafterInfo, OpenArgs, Outcome,
     Proposal,
@@ -300,7 +302,8 @@ fn drafter_declines_a_version_it_does_not_speak() {
     let DrafterMsg::Goodbye { reason } = a.from_drafter.recv().unwrap() else {
         panic!("expected Goodbye");
     };
-    assert!(reason.contains("1.5") && reason.contains("1.2"), "{reason}");
+    let ours = PROTOCOL_VERSION.to_string();
+    assert!(reason.contains("1.5") && reason.contains(&ours), "{reason}");
     thread.join().unwrap();
 }
 
@@ -596,4 +599,167 @@ fn a_1_1_host_sends_no_donor_views_and_the_drafter_goes_on() {
         !log.lock().unwrap().iter().any(|l| l.starts_with("donors")),
         "no donor views at 1.1"
     );
+}
+
+/// The host's side of a doorbell in these tests: requests as frames (those with a memfd on the
+/// socket, announced by an empty frame), replies read from the ring.
+struct Bell<'a> {
+    a: &'a Accepted,
+    bell: Doorbell,
+}
+
+impl Bell<'_> {
+    fn map(a: &Accepted) -> Bell<'_> {
+        let bell = Doorbell::host(1 << 12, Duration::from_micros(10)).unwrap();
+        let map = MapDoorbell {
+            shm: bell.handle(),
+            spin_us: 10,
+        };
+        request(a, 0, Request::MapDoorbell(map));
+        Bell { a, bell }
+    }
+
+    fn request(&self, seq: Seq, request: Request) {
+        let forever = Duration::from_secs(60);
+        let msg = HostMsg::Request { seq, request };
+        match &msg {
+            HostMsg::Request { request, .. } if request.carries_fd() => {
+                self.a.to_drafter.send(msg).unwrap();
+                self.bell.send(&[], forever).unwrap();
+            }
+            _ => self.bell.send(&encode(&msg).unwrap(), forever).unwrap(),
+        }
+    }
+
+    fn reply(&self) -> DrafterMsg {
+        match self.bell.recv(Duration::from_secs(60)).unwrap() {
+            Some(Frame::Message(bytes)) => decode(&bytes).unwrap(),
+            other => panic!("expected a reply frame, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_whole_session_through_the_doorbell() {
+    let (drafter, log) = recorder(vec![PROTOCOL_VERSION], false);
+    let (a, thread) = spawn(drafter);
+    assert!(a.hello.doorbell, "the SDK offers the doorbell");
+    welcome(&a, PROTOCOL_VERSION);
+    let bell = Bell::map(&a);
+    // MapRegion carries a memfd: it takes the socket, in its place in the ring's order.
+    let mut region = ShmWriter::new(2, 256).unwrap();
+    let map = MapRegion {
+        region: 2,
+        shm: region.handle(),
+    };
+    bell.request(1, Request::MapRegion(map));
+    let open = Open {
+        session: 1,
+        prompt_ids: vec![7, 8],
+        sampling: SamplingSpec::greedy(),
+        prompt_taps: Some(one_tap(&mut region, &[0.5, -2.0])),
+    };
+    bell.request(2, Request::Open(open));
+    let row = DraftRow {
+        session: 1,
+        new_tokens: vec![9],
+        n: 2,
+        step: 0,
+    };
+    bell.request(3, Request::Draft(Draft { rows: vec![row] }));
+    let DrafterMsg::Reply {
+        seq: 3,
+        reply: Reply::Proposed(p),
+    } = bell.reply()
+    else {
+        panic!("expected the reply to 3");
+    };
+    assert_eq!(p.rows[0].tokens, vec![0, 1]);
+    let commit = Commit {
+        session: 1,
+        drafted: 2,
+        accepted: 2,
+        accepted_ids: vec![0, 1, 4],
+        taps: Some(one_tap(&mut region, &[1.0, 3.0])),
+    };
+    bell.request(4, Request::Commit(commit));
+    bell.request(5, Request::Close(Close { session: 1 }));
+    bell.request(6, Request::Shutdown);
+    assert_eq!(thread.join().unwrap(), Outcome::Shutdown);
+    assert!(
+        a.from_drafter.try_recv().is_err(),
+        "the reply came through the ring, not the socket"
+    );
+    assert_eq!(
+        *log.lock().unwrap(),
+        vec![
+            "open 1 [7, 8] Some([0.5, -2.0])",
+            "batch 1",
+            "draft 1 [9] 2",
+            "commit 1 [0, 1, 4] Some([1.0, 3.0])",
+            "close 1",
+        ]
+    );
+}
+
+#[test]
+fn a_drafter_waiting_on_its_doorbell_ends_when_the_host_goes_away() {
+    let (drafter, _) = recorder(vec![PROTOCOL_VERSION], false);
+    let (a, thread) = spawn(drafter);
+    welcome(&a, PROTOCOL_VERSION);
+    let bell = Bell::map(&a);
+    open_session(&a, 1);
+    // The ring stays quiet; the socket says the host is gone.
+    drop(bell);
+    drop(a);
+    assert_eq!(thread.join().unwrap(), Outcome::HostGone);
+}
+
+#[test]
+fn a_bad_frame_from_the_host_ends_the_drafter_with_an_error() {
+    let (drafter, _) = recorder(vec![PROTOCOL_VERSION], false);
+    let bootstrap = Bootstrap::new().unwrap();
+    let name = bootstrap.name().to_string();
+    let thread = std::thread::spawn(move || sdk::run(drafter, &name));
+    let a = bootstrap.accept().unwrap();
+    welcome(&a, PROTOCOL_VERSION);
+    let bell = Bell::map(&a);
+    bell.bell.send(&[0xff; 9], Duration::ZERO).unwrap();
+    let err = thread.join().unwrap().unwrap_err();
+    assert!(err.to_string().contains("does not decode"), "{err}");
+}
+
+const V1_2: Version = Version { major: 1, minor: 2 };
+
+/// A 1.3 drafter at a 1.2 host: the host's sender refuses `MapDoorbell`, and every message
+/// stays on the socket; a drafter built `without_doorbell` does not offer it.
+#[test]
+fn a_1_2_host_maps_no_doorbell_and_the_socket_serves() {
+    let (drafter, _) = recorder(vec![PROTOCOL_VERSION], false);
+    let (a, thread) = spawn(drafter);
+    welcome(&a, V1_2);
+    let sender = Sender::new(a.to_drafter.clone(), V1_2);
+    let bell = Doorbell::host(1 << 12, Duration::ZERO).unwrap();
+    let map = HostMsg::Request {
+        seq: 0,
+        request: Request::MapDoorbell(MapDoorbell {
+            shm: bell.handle(),
+            spin_us: 0,
+        }),
+    };
+    assert!(matches!(
+        sender.send(map),
+        Err(specula_protocol::Error::TooNew {
+            message: "MapDoorbell",
+            ..
+        })
+    ));
+    open_session(&a, 1);
+    let Reply::Proposed(_) = draft_one(&a, 2, vec![]) else {
+        panic!("a 1.2 host gets Proposed");
+    };
+    request(&a, 3, Request::Shutdown);
+    assert_eq!(thread.join().unwrap(), Outcome::Shutdown);
+    let info = DrafterInfo::new("plain", "1", Capabilities::tokens_only(2)).without_doorbell();
+    assert!(!info.doorbell);
 }

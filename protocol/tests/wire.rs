@@ -50,6 +50,7 @@ fn hello() -> Hello {
         },
         late_capabilities: true,
         kv_donor_views: true,
+        doorbell: true,
     }
 }
 
@@ -83,7 +84,8 @@ fn sampling() -> SamplingSpec {
     }
 }
 
-/// Every request variant (except MapRegion: its memfd only exists inside an ipc message).
+/// Every request variant (except MapRegion, MapDonors and MapDoorbell: a memfd only exists inside
+/// an ipc message).
 fn requests() -> Vec<(&'static str, Request)> {
     vec![
         (
@@ -497,6 +499,153 @@ fn a_1_2_peer_decodes_a_1_1_peers_messages() {
     hello.as_object_mut().unwrap().remove("kv_donor_views");
     let hello: Hello = serde_json::from_value(hello).unwrap();
     assert!(!hello.kv_donor_views && hello.late_capabilities);
+}
+
+/// The 1.2 wire enums, frozen as a 1.2 peer compiled them.
+mod v1_2 {
+    use serde::{Deserialize, Serialize};
+    use specula_protocol::wire::{
+        Advance, Close, Commit, DonorTables, Draft, MapDonors, MapRegion, Open, Seq,
+    };
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub enum Request {
+        MapRegion(MapRegion),
+        Open(Open),
+        Draft(Draft),
+        Commit(Commit),
+        Close(Close),
+        Shutdown,
+        Advance(Advance),
+        MapDonors(MapDonors),
+        DonorTables(DonorTables),
+    }
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub enum HostMsg {
+        Handshake(String),
+        Request { seq: Seq, request: Request },
+    }
+}
+
+#[test]
+fn a_1_2_peer_decodes_every_message_a_1_3_peer_may_send_it() {
+    let v1_2 = Version { major: 1, minor: 2 };
+    let (tx, rx) = ipc::channel::<HostMsg>().unwrap();
+    let rx: ipc::IpcReceiver<v1_2::HostMsg> = rx.to_opaque().to();
+    for (i, (name, request)) in requests().into_iter().enumerate() {
+        let msg = HostMsg::Request {
+            seq: i as u64,
+            request,
+        };
+        check(&msg, v1_2).unwrap_or_else(|e| panic!("{name}: {e}"));
+        tx.send(msg).unwrap();
+        let got = rx.recv().unwrap_or_else(|e| panic!("{name}: {e:?}"));
+        assert!(
+            matches!(got, v1_2::HostMsg::Request { seq, .. } if seq == i as u64),
+            "{name}: {got:?}"
+        );
+    }
+    // MapDoorbell is the only 1.3 message; it carries a memfd (no golden file). A 1.2 peer
+    // cannot decode it, so the sender refuses it.
+    let map = HostMsg::Request {
+        seq: 20,
+        request: Request::MapDoorbell(MapDoorbell {
+            shm: IpcSharedMemory::from_byte(0, 8),
+            spin_us: 50,
+        }),
+    };
+    assert!(matches!(
+        check(&map, v1_2),
+        Err(Error::TooNew {
+            message: "MapDoorbell",
+            ..
+        })
+    ));
+    check(&map, PROTOCOL_VERSION).unwrap();
+    tx.send(map).unwrap();
+    assert!(rx.recv().is_err(), "a 1.2 peer decoded MapDoorbell");
+    // Drafter → host: 1.3 added no message (replies change only their transport).
+    for msg in [drafted(), proposed(), late_capabilities()] {
+        check(&msg, v1_2).unwrap();
+    }
+}
+
+#[test]
+fn a_1_3_peer_reads_a_1_2_hello_as_no_doorbell() {
+    let mut hello = serde_json::to_value(hello()).unwrap();
+    hello.as_object_mut().unwrap().remove("doorbell");
+    let hello: Hello = serde_json::from_value(hello).unwrap();
+    assert!(!hello.doorbell && hello.kv_donor_views);
+    let (tx, rx) = ipc::channel::<v1_2::HostMsg>().unwrap();
+    let rx: ipc::IpcReceiver<HostMsg> = rx.to_opaque().to();
+    tx.send(v1_2::HostMsg::Request {
+        seq: 4,
+        request: v1_2::Request::DonorTables(donor_tables()),
+    })
+    .unwrap();
+    assert_eq!(
+        rx.recv().unwrap(),
+        HostMsg::Request {
+            seq: 4,
+            request: Request::DonorTables(donor_tables())
+        }
+    );
+}
+
+/// A doorbell frame is the message's postcard bytes, the socket's codec: every request and reply
+/// that may travel in a ring comes out as it went in.
+#[test]
+fn every_ring_message_round_trips_through_a_frame() {
+    use specula_protocol::doorbell::{decode, encode};
+    for (i, (name, request)) in requests().into_iter().enumerate() {
+        assert!(!request.carries_fd(), "{name}");
+        let msg = HostMsg::Request {
+            seq: i as u64,
+            request,
+        };
+        assert_eq!(decode::<HostMsg>(&encode(&msg).unwrap()).unwrap(), msg);
+    }
+    for msg in [drafted(), proposed(), late_capabilities()] {
+        assert_eq!(decode::<DrafterMsg>(&encode(&msg).unwrap()).unwrap(), msg);
+    }
+    let err = decode::<HostMsg>(&[0xff, 0xff, 0xff]).unwrap_err();
+    assert!(err.to_string().contains("does not decode"), "{err}");
+}
+
+#[test]
+fn map_doorbell_carries_a_live_doorbell() {
+    use specula_protocol::doorbell::{Doorbell, Frame};
+    use std::time::Duration;
+    let host = Doorbell::host(4096, Duration::ZERO).unwrap();
+    let (tx, rx) = ipc::channel::<HostMsg>().unwrap();
+    let map = MapDoorbell {
+        shm: host.handle(),
+        spin_us: 7,
+    };
+    assert!(Request::MapDoorbell(map.clone()).carries_fd());
+    tx.send(HostMsg::Request {
+        seq: 0,
+        request: Request::MapDoorbell(map),
+    })
+    .unwrap();
+    let HostMsg::Request {
+        request: Request::MapDoorbell(got),
+        ..
+    } = rx.recv().unwrap()
+    else {
+        panic!("expected MapDoorbell");
+    };
+    assert_eq!(got.spin_us, 7);
+    let drafter = Doorbell::drafter(got.shm, Duration::ZERO).unwrap();
+    host.send(b"to the drafter", Duration::ZERO).unwrap();
+    drafter.send(b"to the host", Duration::ZERO).unwrap();
+    let frame = |bytes: &[u8]| Some(Frame::Message(bytes.to_vec()));
+    assert_eq!(
+        drafter.recv(Duration::ZERO).unwrap(),
+        frame(b"to the drafter")
+    );
+    assert_eq!(host.recv(Duration::ZERO).unwrap(), frame(b"to the host"));
 }
 
 #[test]

@@ -11,7 +11,7 @@ use specula_models::Model;
 use specula_protocol::shm::DType;
 use specula_protocol::wire::{RopeLayout, TargetInfo};
 
-use crate::drafter::{ClientConfig, DrafterClient, DrafterSpec};
+use crate::drafter::{ClientConfig, DrafterClient, DrafterSpec, DEFAULT_DOORBELL_SPIN};
 
 use crate::generation::Speculation;
 use crate::proposer::Proposer;
@@ -47,6 +47,14 @@ pub struct DrafterArgs {
     /// How long the host waits for a drafter's reply before verifying without drafts.
     #[arg(long, default_value_t = 500)]
     pub draft_deadline_ms: u64,
+    /// How long host and drafter poll the doorbell's shared-memory rings before they sleep on
+    /// its futex, in µs (drafters speaking protocol ≥ 1.3). Longer polling shortens the round
+    /// trip and holds a core meanwhile; 0 sleeps at once.
+    #[arg(long, default_value_t = DEFAULT_DOORBELL_SPIN.as_micros() as u64)]
+    pub doorbell_spin_us: u64,
+    /// Keep every drafter message on the socket (no doorbell).
+    #[arg(long)]
+    pub no_doorbell: bool,
 }
 
 impl DrafterArgs {
@@ -68,6 +76,10 @@ impl DrafterArgs {
     pub fn client_config(&self) -> ClientConfig {
         ClientConfig {
             draft_deadline: Duration::from_millis(self.draft_deadline_ms),
+            doorbell_spin: match self.no_doorbell {
+                true => None,
+                false => Some(Duration::from_micros(self.doorbell_spin_us)),
+            },
             ..ClientConfig::default()
         }
     }

@@ -1,20 +1,23 @@
 //! The SDK's request loop: maps regions, keeps the open sessions (and the ids an `Advance` left
 //! for the next draft), turns views into borrowed [`Taps`], caps proposals and answers in the
-//! form the negotiated version reads.
+//! form the negotiated version reads. Once the host maps a doorbell (1.3), requests come from
+//! its ring (the socket only where the ring says so) and replies go into the other ring.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
 
 use ipc_channel::ipc::IpcReceiver;
-use ipc_channel::IpcError;
+use ipc_channel::{IpcError, TryRecvError};
 use tracing::{debug, warn};
 
 use super::{
     AdvanceArgs, Advanced, CommitArgs, DraftAsk, Drafter, OpenArgs, Outcome, Proposal, Taps,
 };
 use crate::donor::{DonorBlock, DonorReader, DonorRows};
+use crate::doorbell::{decode, encode, Doorbell, Frame, SLICE};
 use crate::error::{Error, Result};
 use crate::shm::{RegionId, ShmReader, TapViews, TensorView};
-use crate::transport::Sender;
+use crate::transport::{check, Sender};
 use crate::version::Version;
 use crate::wire::{
     Draft, Drafted, DraftedRow, DrafterMsg, HostMsg, Proposed, ProposedRow, Reply, Request,
@@ -24,6 +27,9 @@ use crate::wire::{
 /// The version that brought [`Reply::Proposed`].
 const PROPOSED: Version = Version { major: 1, minor: 1 };
 
+/// How long a reply waits for room in a full doorbell ring before the drafter gives up.
+const RING_FULL: Duration = Duration::from_secs(1);
+
 pub(super) struct Server<D> {
     drafter: D,
     max_draft_len: usize,
@@ -32,6 +38,10 @@ pub(super) struct Server<D> {
     /// The K/V donor region, once mapped (1.2).
     donors: Option<DonorReader>,
     sessions: HashMap<SessionId, Session>,
+    /// The doorbell, once the host mapped one (1.3).
+    bell: Option<Doorbell>,
+    /// Socket messages read while the ring was quiet, before the frame that announces them.
+    early: VecDeque<HostMsg>,
 }
 
 /// An open session as the SDK tracks it.
@@ -54,20 +64,15 @@ impl<D: Drafter> Server<D> {
             regions: HashMap::new(),
             donors: None,
             sessions: HashMap::new(),
+            bell: None,
+            early: VecDeque::new(),
         }
     }
 
     pub(super) fn serve(mut self, from_host: &IpcReceiver<HostMsg>) -> Result<Outcome> {
         loop {
-            let msg = match from_host.recv() {
-                Ok(msg) => msg,
-                Err(IpcError::Disconnected) => return Ok(Outcome::HostGone),
-                Err(source) => {
-                    return Err(Error::Transport {
-                        op: "receive a request",
-                        source,
-                    })
-                }
+            let Some(msg) = self.next(from_host)? else {
+                return Ok(Outcome::HostGone);
             };
             let HostMsg::Request { seq, request } = msg else {
                 return Err(Error::Violation {
@@ -81,6 +86,52 @@ impl<D: Drafter> Server<D> {
                 // The host went away while we answered: a normal end.
                 Err(Error::Transport { .. }) => return Ok(Outcome::HostGone),
                 other => other?,
+            }
+        }
+    }
+
+    /// The next request: from the socket, or from the doorbell's ring once there is one. `None`
+    /// when the host is gone.
+    fn next(&mut self, from_host: &IpcReceiver<HostMsg>) -> Result<Option<HostMsg>> {
+        let Some(bell) = &self.bell else {
+            return from_socket(from_host);
+        };
+        loop {
+            match bell.recv(SLICE)? {
+                Some(Frame::Message(bytes)) => return decode(&bytes).map(Some),
+                Some(Frame::OnSocket) => match self.early.pop_front() {
+                    Some(msg) => return Ok(Some(msg)),
+                    None => return from_socket(from_host),
+                },
+                // A quiet ring: a host that died never rings, but its socket says so.
+                None => match from_host.try_recv() {
+                    Ok(msg) => self.early.push_back(msg),
+                    Err(TryRecvError::Empty) => {}
+                    Err(TryRecvError::IpcError(IpcError::Disconnected)) => return Ok(None),
+                    Err(TryRecvError::IpcError(source)) => {
+                        return Err(Error::Transport {
+                            op: "receive a request",
+                            source,
+                        })
+                    }
+                },
+            }
+        }
+    }
+
+    /// Sends a reply: into the doorbell's ring when there is one (on the socket, announced in
+    /// the ring, when it does not fit), else on the socket.
+    fn send(&self, msg: DrafterMsg) -> Result<()> {
+        let Some(bell) = &self.bell else {
+            return self.to_host.send(msg);
+        };
+        check(&msg, self.to_host.version())?;
+        let bytes = encode(&msg)?;
+        match bytes.len() <= bell.max_frame() {
+            true => bell.send(&bytes, RING_FULL),
+            false => {
+                self.to_host.send(msg)?;
+                bell.send(&[], RING_FULL)
             }
         }
     }
@@ -149,6 +200,10 @@ impl<D: Drafter> Server<D> {
                     session.donor_table.extend_from_slice(&t.append);
                     session.donor_len = t.len as usize;
                 }
+            }
+            Request::MapDoorbell(map) => {
+                let spin = Duration::from_micros(map.spin_us.into());
+                self.bell = Some(Doorbell::drafter(map.shm, spin)?);
             }
             Request::Shutdown => unreachable!("invariant: handled by the caller"),
         }
@@ -227,7 +282,18 @@ impl<D: Drafter> Server<D> {
             true => Reply::Proposed(proposed),
             false => Reply::Drafted(drafted(proposed)),
         };
-        self.to_host.send(DrafterMsg::Reply { seq, reply })
+        self.send(DrafterMsg::Reply { seq, reply })
+    }
+}
+
+fn from_socket(from_host: &IpcReceiver<HostMsg>) -> Result<Option<HostMsg>> {
+    match from_host.recv() {
+        Ok(msg) => Ok(Some(msg)),
+        Err(IpcError::Disconnected) => Ok(None),
+        Err(source) => Err(Error::Transport {
+            op: "receive a request",
+            source,
+        }),
     }
 }
 

@@ -28,7 +28,7 @@
 //! counts those bytes either way.
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ipc_channel::TryRecvError;
 use specula_models::sampling::SamplingParams;
@@ -144,6 +144,12 @@ impl DrafterClient {
     /// The drafter's capabilities, as it announced them.
     pub fn capabilities(&self) -> &Capabilities {
         &self.caps
+    }
+
+    /// Whether the running drafter's messages travel through a doorbell (protocol ≥ 1.3, both
+    /// sides willing) rather than the socket.
+    pub fn doorbell(&mut self) -> bool {
+        self.sup.connection().is_some_and(|c| c.has_doorbell())
     }
 
     /// The drafter's process id, when one is running and ready.
@@ -665,7 +671,7 @@ impl DrafterClient {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let conn = self.sup.connection()?;
-            match conn.rx.try_recv_timeout(left) {
+            match conn.try_recv_timeout(left) {
                 Ok(DrafterMsg::Reply { seq: got, reply }) if got == seq => {
                     return Some(reply.into_proposed())
                 }
@@ -710,7 +716,7 @@ impl DrafterClient {
             let Some(conn) = self.sup.connection() else {
                 return;
             };
-            match conn.rx.try_recv() {
+            match conn.try_recv_timeout(Duration::ZERO) {
                 Ok(DrafterMsg::Reply { seq, .. }) => self.late(seq),
                 Ok(DrafterMsg::Capabilities(_)) => {
                     self.sup

@@ -8,21 +8,28 @@
 //! Welcome { version, TargetInfo } ──▶    accept_target? no → Goodbye { reason }
 //!          ◀── Capabilities (≥ 1.1, when the Hello set late_capabilities; replace the Hello's)
 //! MapRegion (when it wants taps) ──▶
+//! MapDoorbell (≥ 1.3, when offered) ──▶  from here on: the rings (see below)
 //! Draft { rows: [] } (seq 0)     ──▶     (an empty draft is a ping)
 //!          ◀── Drafted { seq 0 }         ready
 //! ```
+//!
+//! With a doorbell ([`specula_protocol::doorbell`]) every later request is a frame in the
+//! host → drafter ring, except those that carry a file descriptor or do not fit a frame: they
+//! take the socket, announced by an empty frame. Replies come in the other ring; the socket
+//! still carries a `Goodbye` and tells when the drafter is gone.
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use ipc_channel::ipc::{IpcReceiver, IpcSender};
-use ipc_channel::TryRecvError;
+use ipc_channel::{IpcError, TryRecvError};
+use specula_protocol::doorbell::{decode, encode, Doorbell, Frame};
 use specula_protocol::shm::ShmWriter;
-use specula_protocol::transport::{Accepted, Bootstrap, Sender};
+use specula_protocol::transport::{check, Accepted, Bootstrap, Sender};
 use specula_protocol::version::{self, Version, PROTOCOL_VERSION};
 use specula_protocol::wire::{
-    Capabilities, Draft, DrafterMsg, HandshakeReply, Hello, HostMsg, MapRegion, Request, Seq,
-    TargetInfo, Welcome,
+    Capabilities, Draft, DrafterMsg, HandshakeReply, Hello, HostMsg, MapDoorbell, MapRegion,
+    Request, Seq, TargetInfo, Welcome,
 };
 use tracing::info;
 
@@ -44,9 +51,25 @@ pub struct Connection {
     pub region: Option<ShmWriter>,
     /// The next request's sequence number.
     pub next_seq: Seq,
+    /// The doorbell the session messages travel through, once mapped (1.3).
+    bell: Option<Doorbell>,
     /// Whether dropping asks the drafter to shut down before killing it.
     polite: bool,
 }
+
+/// The version that brought the doorbell.
+const DOORBELL: Version = Version { major: 1, minor: 3 };
+
+/// Bytes of each doorbell ring: thousands of small messages; a sampled reply (q rows) or a long
+/// prompt that does not fit half of it takes the socket.
+const RING_BYTES: usize = 1 << 20;
+
+/// How long a request waits for room in a full ring (a drafter that stopped reading) before the
+/// send fails and the drafter is restarted.
+const RING_FULL: Duration = Duration::from_millis(200);
+
+/// How often a host waiting on the ring looks at the socket (a `Goodbye`, a dead drafter).
+const SOCKET_LOOK: Duration = Duration::from_millis(2);
 
 impl Connection {
     /// Sends a request and returns its sequence number.
@@ -56,13 +79,86 @@ impl Connection {
     pub fn send(&mut self, request: Request) -> Result<Seq, DrafterError> {
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.tx
-            .send(HostMsg::Request { seq, request })
-            .map_err(|source| DrafterError::Protocol {
-                op: "send a request",
-                source,
-            })?;
+        let err = |source| DrafterError::Protocol {
+            op: "send a request",
+            source,
+        };
+        let msg = HostMsg::Request { seq, request };
+        let Some(bell) = &self.bell else {
+            self.tx.send(msg).map_err(err)?;
+            return Ok(seq);
+        };
+        check(&msg, self.tx.version()).map_err(err)?;
+        let frame = match &msg {
+            HostMsg::Request { request, .. } if request.carries_fd() => None,
+            _ => Some(encode(&msg).map_err(err)?),
+        };
+        match frame.filter(|f| f.len() <= bell.max_frame()) {
+            Some(frame) => bell.send(&frame, RING_FULL).map_err(err)?,
+            None => {
+                self.tx.send(msg).map_err(err)?;
+                bell.send(&[], RING_FULL).map_err(err)?;
+            }
+        }
         Ok(seq)
+    }
+
+    /// Whether the session messages travel through a doorbell.
+    pub fn has_doorbell(&self) -> bool {
+        self.bell.is_some()
+    }
+
+    /// Waits up to `left` for the drafter's next message (the doorbell's ring, else the socket).
+    ///
+    /// # Errors
+    /// `Empty` when nothing came in time; an `IpcError` when the drafter is gone or broke the
+    /// ring.
+    pub fn try_recv_timeout(&self, left: Duration) -> Result<DrafterMsg, TryRecvError> {
+        let Some(bell) = &self.bell else {
+            return match left.is_zero() {
+                true => self.rx.try_recv(),
+                false => self.rx.try_recv_timeout(left),
+            };
+        };
+        let broken = |reason: String| {
+            let io = std::io::Error::new(std::io::ErrorKind::InvalidData, reason);
+            TryRecvError::IpcError(IpcError::Io(io))
+        };
+        let until = Instant::now() + left;
+        loop {
+            let slice = until.saturating_duration_since(Instant::now());
+            match bell.recv(slice.min(SOCKET_LOOK)) {
+                Ok(Some(Frame::Message(bytes))) => {
+                    return decode(&bytes).map_err(|e| broken(e.to_string()))
+                }
+                // Sent before its frame: already there.
+                Ok(Some(Frame::OnSocket)) => {
+                    return self.rx.try_recv_timeout(left.max(SOCKET_LOOK))
+                }
+                Ok(None) => {}
+                Err(e) => return Err(broken(e.to_string())),
+            }
+            match self.rx.try_recv() {
+                Err(TryRecvError::Empty) if Instant::now() < until => {}
+                other => return other,
+            }
+        }
+    }
+
+    /// Moves the session messages onto a doorbell whose sides poll for `spin` before sleeping.
+    fn map_doorbell(&mut self, spin: Duration) -> Result<(), DrafterError> {
+        let err = |source| DrafterError::Protocol {
+            op: "map the doorbell",
+            source,
+        };
+        let bell = Doorbell::host(RING_BYTES, spin).map_err(err)?;
+        let map = MapDoorbell {
+            shm: bell.handle(),
+            spin_us: spin.as_micros().min(u32::MAX as u128) as u32,
+        };
+        self.send(Request::MapDoorbell(map))?;
+        self.bell = Some(bell);
+        Ok(())
     }
 }
 
@@ -160,6 +256,7 @@ pub fn connect(
         rx: accepted.from_drafter,
         region,
         next_seq: 0,
+        bell: None,
         polite: true,
     };
     if let Some(region) = &conn.region {
@@ -171,11 +268,20 @@ pub fn connect(
             return Err(goodbye_or(&conn, e));
         }
     }
+    if let Some(spin) = config.doorbell_spin {
+        if conn.hello.doorbell && version >= DOORBELL {
+            if let Err(e) = conn.map_doorbell(spin) {
+                return Err(goodbye_or(&conn, e));
+            }
+        }
+    }
+    // Through the doorbell, when there is one: it works before the drafter counts as ready.
     ping(&mut conn, until, config)?;
     info!(
         drafter = %conn.hello.name,
         pid = conn.child.pid(),
         %version,
+        doorbell = conn.has_doorbell(),
         "drafter ready"
     );
     Ok(conn)
@@ -325,7 +431,7 @@ fn ping(conn: &mut Connection, until: Instant, config: &ClientConfig) -> Result<
     };
     loop {
         let left = until.saturating_duration_since(Instant::now());
-        match conn.rx.try_recv_timeout(left) {
+        match conn.try_recv_timeout(left) {
             Ok(DrafterMsg::Reply { seq: got, .. }) if got == seq => return Ok(()),
             Ok(DrafterMsg::Reply { .. }) => continue,
             Ok(DrafterMsg::Goodbye { reason }) => {

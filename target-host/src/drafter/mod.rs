@@ -121,6 +121,38 @@ impl DrafterError {
     }
 }
 
+/// How long each side of a doorbell polls before it sleeps, unless configured: long enough to
+/// catch a `Draft` that follows its `Commit`, and a quick drafter's reply, without a wake-up;
+/// short enough not to hold a core through a target forward.
+pub const DEFAULT_DOORBELL_SPIN: Duration = Duration::from_micros(50);
+
+/// Parses a drafter transport as the benchmarks name it: `socket` (no doorbell; `None`),
+/// `doorbell` (polling [`DEFAULT_DOORBELL_SPIN`]) or `doorbell:N` (polling N µs).
+///
+/// # Errors
+/// Any other text, with what is accepted.
+pub fn parse_transport(text: &str) -> Result<Option<Duration>, String> {
+    match text.split_once(':') {
+        _ if text == "socket" => Ok(None),
+        _ if text == "doorbell" => Ok(Some(DEFAULT_DOORBELL_SPIN)),
+        Some(("doorbell", us)) => us
+            .parse()
+            .map(|us| Some(Duration::from_micros(us)))
+            .map_err(|_| format!("`{text}`: the doorbell's polling time is whole µs")),
+        _ => Err(format!(
+            "unknown transport `{text}` (socket, doorbell or doorbell:<µs>)"
+        )),
+    }
+}
+
+/// The name of a transport, as [`parse_transport`] reads it.
+pub fn transport_name(spin: Option<Duration>) -> String {
+    match spin {
+        None => "socket".to_string(),
+        Some(spin) => format!("doorbell:{}", spin.as_micros()),
+    }
+}
+
 /// Deadlines and limits of a [`DrafterClient`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClientConfig {
@@ -141,6 +173,10 @@ pub struct ClientConfig {
     pub region_bytes: usize,
     /// How many round-trip latencies are kept for percentiles.
     pub rtt_samples: usize,
+    /// The doorbell (protocol 1.3, drafters that offer it): session messages through
+    /// shared-memory rings and a futex instead of the socket, each side polling its ring for
+    /// this long before it sleeps. `None` keeps every drafter on the socket.
+    pub doorbell_spin: Option<Duration>,
 }
 
 impl Default for ClientConfig {
@@ -154,6 +190,7 @@ impl Default for ClientConfig {
             max_failed_starts: 6,
             region_bytes: 64 << 20,
             rtt_samples: 1 << 16,
+            doorbell_spin: Some(DEFAULT_DOORBELL_SPIN),
         }
     }
 }

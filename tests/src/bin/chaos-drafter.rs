@@ -181,6 +181,8 @@ fn run() -> Result<()> {
         },
         late_capabilities: late,
         kv_donor_views: false,
+        // It reads the socket itself.
+        doorbell: false,
     };
     let connected = transport::connect(&bootstrap, &hello).context("connect")?;
     let welcome = match connected.reply {
@@ -258,6 +260,7 @@ fn run() -> Result<()> {
             Request::Advance(a) => log("advance", a.session, &a.taps)?,
             Request::Close(_) | Request::MapDonors(_) | Request::DonorTables(_) => {}
             Request::Shutdown => return Ok(()),
+            Request::MapDoorbell(_) => bail!("a doorbell it did not ask for"),
             Request::Draft(d) => {
                 let rows = d.rows.iter().map(|row| {
                     let n = row.n;
