@@ -776,12 +776,21 @@ fn every_committed_position_reaches_a_tap_drafter_exactly_once() {
         draft_deadline_cap: Duration::from_secs(5),
         ..EngineConfig::default()
     };
-    let client = drafter(
+    let patient = ClientConfig {
+        draft_deadline: Duration::from_secs(5),
+        ..ClientConfig::default()
+    };
+    let (proposer, client) = observed_drafter(
         &loaded,
-        "chaos-drafter",
         &["--mode", "taps-check", "--out", log_arg],
+        patient,
     );
-    let got = batch(&loaded, Some(client), config, &reqs);
+    let got = batch(&loaded, Some(proposer), config, &reqs);
+    // Every message handled (so every log line written) before the log is read.
+    assert!(
+        client.lock().unwrap().barrier(),
+        "the drafter handled every message"
+    );
     let text = std::fs::read_to_string(&log).expect("the drafter wrote its log");
     assert!(!text.contains("torn"), "torn taps: {text}");
     for (i, g) in got.iter().enumerate() {

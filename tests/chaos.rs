@@ -41,6 +41,32 @@ fn misbehaving_drafters_never_change_the_output() {
     }
 }
 
+/// A draft deadline shorter than the engine's own floor (5 ms) is the user's to set: it is
+/// honoured (a drafter slower than it costs draft-less rounds), not a crash of the engine, and
+/// the output is plain's. `0` means never wait.
+#[test]
+fn draft_deadlines_under_the_engines_floor_are_honoured() {
+    let path = model_path("smollm2-135m");
+    let model = path.to_str().expect("utf-8 path");
+    let (_, plain) = cli_generate(model, "chat", PROMPT, 24, &["--no-speculation"]);
+    for ms in ["0", "1", "4"] {
+        for drafter in [
+            &["--drafter", "ngram"][..],
+            &[
+                "--drafter",
+                "chaos-drafter",
+                "--drafter-arg=--mode",
+                "--drafter-arg=sleep-past-deadline",
+            ],
+        ] {
+            let mut extra = drafter.to_vec();
+            extra.extend(["--draft-deadline-ms", ms]);
+            let (_, spec) = cli_generate(model, "chat", PROMPT, 24, &extra);
+            assert_eq!(spec, plain, "{extra:?} changed the output");
+        }
+    }
+}
+
 /// A drafter that asks for hidden taps and K/V rows of the real model gets them on every round
 /// (none torn), and the output is unchanged.
 #[test]
@@ -66,6 +92,11 @@ fn taps_reach_a_drafter_from_the_real_model() {
             // A fixed k: rounds commit drafts whatever the controller would choose (it may
             // choose k = 0 throughout on a loaded machine, which delivers taps by Advance only).
             "--fixed-draft",
+            // Patient deadlines too: a miss on a loaded machine is a round without a commit.
+            "--draft-deadline-steps",
+            "1000",
+            "--draft-deadline-ms",
+            "10000",
             "--drafter",
             "chaos-drafter",
             "--drafter-arg=--mode",

@@ -25,16 +25,17 @@ use specula_protocol::sdk::{
     AdvanceArgs, Advanced, CommitArgs, DraftAsk, Drafter, DrafterInfo, OpenArgs, Proposal, Taps,
 };
 use specula_protocol::shm::{ShmReader, ShmWriter, TensorRef, TensorView};
+use specula_tests::proposers::{check_confidence_cut, Recording, Round};
 use specula_tests::stats::{chi_square, critical};
 use specula_tests::tiny::write_tiny_tokenizer;
 use specula_tests::{bin_path, cli_generate_json, json_ids, model_path, workspace_root};
 use target_host::drafter::InProcess;
 use target_host::drafter_args::target_info;
 use target_host::engine::EngineConfig;
-use target_host::generation::{generate as run_engine, Flow, GenerationRequest, Speculation};
-use target_host::proposer::{
-    Draft, DraftBatch, Health, Proposer, ProposerSlot, SessionId, TapRows, Verdict, Wants,
+use target_host::generation::{
+    generate as run_engine, Flow, Generation, GenerationRequest, Speculation,
 };
+use target_host::proposer::{Proposer, ProposerSlot, SessionId};
 
 const MAX_TOKENS: usize = 40;
 
@@ -78,6 +79,13 @@ fn check(kind_arg: &str) {
             &format!("--drafter-arg=--kind={kind_arg}"),
             "--num-draft-tokens",
             "7",
+            // A fixed k and patient deadlines: every round is drafted and verified, so the
+            // accepted count does not hang on the controller's or a loaded machine's timing.
+            "--fixed-draft",
+            "--draft-deadline-steps",
+            "1000",
+            "--draft-deadline-ms",
+            "10000",
         ];
         let (spec, acc) = generate(kind, text, &args);
         assert_eq!(
@@ -110,93 +118,6 @@ fn fixture_target() -> (tempfile::TempDir, LoadedModel) {
     write_tiny_tokenizer(dir.path(), 128).expect("write tokenizer");
     let loaded = load(dir.path(), &LoadOptions::default()).expect("load the fixture target");
     (dir, loaded)
-}
-
-/// One round with drafts as the proposer saw it: the anchor's position, the drafts, how many
-/// the target accepted, and which proposer instance drafted (a swap makes a new one); also how
-/// many confidences came with the drafts and how many drafts the host verified (0 when it cut
-/// them all).
-#[derive(Debug, Clone, PartialEq)]
-struct Round {
-    instance: usize,
-    pos: usize,
-    tokens: Vec<u32>,
-    accepted: usize,
-    confidences: usize,
-    verified: usize,
-}
-
-/// A proposer that records its rounds (a batch of one session).
-struct Recording {
-    inner: Box<dyn Proposer>,
-    instance: usize,
-    rounds: Arc<Mutex<Vec<Round>>>,
-    pos: usize,
-}
-
-impl Recording {
-    fn new(inner: Box<dyn Proposer>, instance: usize, rounds: &Arc<Mutex<Vec<Round>>>) -> Self {
-        Recording {
-            inner,
-            instance,
-            rounds: rounds.clone(),
-            pos: 0,
-        }
-    }
-}
-
-impl Proposer for Recording {
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-    fn wants(&self) -> Wants {
-        self.inner.wants()
-    }
-    fn open(
-        &mut self,
-        session: SessionId,
-        context: &[u32],
-        sampling: &SamplingParams,
-        taps: Option<&TapRows>,
-    ) {
-        self.pos = context.len() - 1;
-        self.inner.open(session, context, sampling, taps);
-    }
-    fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
-        let drafts = self.inner.draft(batch);
-        if let Some(d) = drafts.first().filter(|d| !d.tokens.is_empty()) {
-            self.rounds.lock().expect("lock").push(Round {
-                instance: self.instance,
-                pos: self.pos,
-                tokens: d.tokens.clone(),
-                accepted: 0,
-                confidences: d.confidence.as_ref().map_or(0, Vec::len),
-                verified: 0,
-            });
-        }
-        drafts
-    }
-    fn commit(&mut self, session: SessionId, verdict: &Verdict<'_>) {
-        if let Some(r) = self.rounds.lock().expect("lock").last_mut() {
-            r.accepted = verdict.accepted;
-            r.verified = verdict.drafted;
-        }
-        self.pos += verdict.committed.len();
-        self.inner.commit(session, verdict);
-    }
-    fn advance(&mut self, session: SessionId, ids: &[u32], taps: Option<&TapRows>) {
-        self.pos += ids.len();
-        self.inner.advance(session, ids, taps);
-    }
-    fn health(&self) -> Health {
-        self.inner.health()
-    }
-    fn incarnation(&self) -> u64 {
-        self.inner.incarnation()
-    }
-    fn close(&mut self, session: SessionId) {
-        self.inner.close(session);
-    }
 }
 
 /// Per position, how often each id was committed over `runs` seeded runs at temperature 1; with
@@ -376,7 +297,7 @@ fn greedy(
         },
         false => Speculation::Off,
     };
-    greedy_with(loaded, prompt, slot, max_tokens, speculation, on_token)
+    greedy_with(loaded, prompt, slot, max_tokens, speculation, on_token).token_ids
 }
 
 /// Plain greedy decoding of `prompt` (no drafter): what every faulted run must equal.
@@ -390,8 +311,8 @@ fn plain(loaded: &LoadedModel, prompt: &[u32]) -> Vec<u32> {
     )
 }
 
-/// Greedy decoding through the engine with the given speculation mode; `on_token` gets the
-/// count of tokens streamed so far.
+/// Greedy decoding through the engine with the given speculation mode (the whole generation,
+/// stats included); `on_token` gets the count of tokens streamed so far.
 fn greedy_with(
     loaded: &LoadedModel,
     prompt: &[u32],
@@ -399,7 +320,7 @@ fn greedy_with(
     max_tokens: usize,
     speculation: Speculation,
     on_token: &mut dyn FnMut(usize),
-) -> Vec<u32> {
+) -> Generation {
     let req = GenerationRequest {
         session: 1,
         prompt_ids: prompt.to_vec(),
@@ -411,7 +332,7 @@ fn greedy_with(
         grammar: None,
     };
     let mut n = 0;
-    let out = run_engine(
+    run_engine(
         &loaded.model,
         &loaded.tokenizer,
         slot,
@@ -423,8 +344,7 @@ fn greedy_with(
             Flow::Continue
         },
     )
-    .expect("generate");
-    out.token_ids
+    .expect("generate")
 }
 
 /// The rounds of `after` that `clean` also drafted from the same anchor position, paired.
@@ -653,6 +573,10 @@ fn admin_api_swap_to_and_from_dflash_mid_request() {
             "--fixed-draft",
             "--draft-deadline-ms",
             "10000",
+            // The deadline is also a few measured steps: a loaded machine's miss would halve
+            // the drafter's budget and change the drafts this test compares.
+            "--draft-deadline-steps",
+            "1000",
             "--drafter-dir",
             bin_dir,
         ],
@@ -754,14 +678,17 @@ fn admin_api_swap_to_and_from_dflash_mid_request() {
 
 /// DFlash has no confidence head: its calibrated per-draft confidences reach the host, which
 /// cuts drafts by them under the controller only; a fixed k verifies every draft, uncut. The
-/// output is plain decoding's either way.
+/// cut follows its rule whatever the measured costs (see `check_confidence_cut`), and drafts
+/// made unsure (confidences scaled under every floor) are all cut. The output is plain
+/// decoding's every time.
 #[test]
 fn dflash_confidences_reach_the_host_and_only_the_controller_cuts() {
     let (loaded, prompt) = smollm2();
     let plain = plain(&loaded, &prompt);
-    let run = |speculation: Speculation| {
+    let run = |speculation: Speculation, scale: f32| {
         let rounds = Arc::new(Mutex::new(Vec::new()));
-        let recording = Recording::new(shipped(&loaded, |d| d), 0, &rounds);
+        let recording =
+            Recording::new(shipped(&loaded, |d| d), 0, &rounds).scaling_confidences(scale);
         let slot = ProposerSlot::new(Some(Box::new(recording)));
         let out = greedy_with(
             &loaded,
@@ -771,17 +698,21 @@ fn dflash_confidences_reach_the_host_and_only_the_controller_cuts() {
             speculation,
             &mut |_| {},
         );
+        assert_eq!(
+            out.token_ids, plain,
+            "{speculation:?}, confidences x{scale}"
+        );
         let rounds = rounds.lock().expect("lock").clone();
-        (out, rounds)
+        (out.stats, rounds)
     };
-    let (out, fixed) = run(Speculation::On {
+    let fixed_k = Speculation::On {
         num_draft_tokens: 7,
-    });
-    assert_eq!(out, plain);
+    };
+    let (stats, fixed) = run(fixed_k, 1.0);
     assert!(fixed.len() >= 4, "too few rounds: {fixed:?}");
     for r in &fixed {
         assert_eq!(
-            r.confidences,
+            r.confidences.len(),
             r.tokens.len(),
             "one confidence per draft: {r:?}"
         );
@@ -791,16 +722,27 @@ fn dflash_confidences_reach_the_host_and_only_the_controller_cuts() {
             "a fixed k verifies every draft: {r:?}"
         );
     }
-    let (out, adaptive) = run(Speculation::Adaptive {
+    assert_eq!(stats.confidence_cut, 0, "a fixed k is never cut");
+    let controller = Speculation::Adaptive {
         max_draft_tokens: 7,
-    });
-    assert_eq!(out, plain, "the cut changed the output");
-    assert!(
-        adaptive.iter().all(|r| r.verified <= r.tokens.len()),
-        "{adaptive:?}"
+    };
+    let (stats, adaptive) = run(controller, 1.0);
+    check_confidence_cut(&adaptive, stats.confidence_cut);
+    let (stats, unsure) = run(controller, 0.05);
+    assert!(!unsure.is_empty(), "the controller never asked the drafter");
+    let sent: usize = unsure.iter().map(|r| r.tokens.len()).sum();
+    assert_eq!(
+        check_confidence_cut(&unsure, stats.confidence_cut),
+        sent,
+        "{unsure:?}"
     );
-    assert!(
-        adaptive.iter().any(|r| r.verified < r.tokens.len()),
-        "the controller never cut a draft: {adaptive:?}"
+    assert_eq!(
+        stats.confidence_cut, sent,
+        "every unsure draft cut: {unsure:?}"
+    );
+    let (stats, _) = run(fixed_k, 0.05);
+    assert_eq!(
+        stats.confidence_cut, 0,
+        "a fixed k never cuts, however unsure"
     );
 }

@@ -1173,6 +1173,11 @@ fn nothing_is_silently_ignored() {
             json!({"stream_options": {"include_usage": true, "x": 1}}),
             "stream_options",
         ),
+        // OpenAI answers 400 too: without a stream there is no usage chunk to send.
+        (
+            json!({"stream_options": {"include_usage": true}}),
+            "stream_options",
+        ),
         (
             json!({"messages": [{"role": "wizard", "content": "hi"}]}),
             "messages[0].role",
@@ -1208,6 +1213,20 @@ fn nothing_is_silently_ignored() {
         .post("/v1/completions", &json!({"prompt": "a", "suffix": "b"}))
         .error(400);
     assert_eq!(e["param"], "suffix");
+    // Nullable booleans (OpenAI's schema): `null` is the default, as if absent.
+    let nulls = with(json!({"stream": null, "logprobs": null}));
+    let r = srv.post(chat, &nulls);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = r.json();
+    assert!(r["choices"][0]["message"]["content"].is_string(), "{r}");
+    assert!(r["choices"][0]["logprobs"].is_null(), "{r}");
+    let r = srv.post(
+        "/v1/completions",
+        &json!({"prompt": "a", "max_tokens": 2, "echo": null}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = r.json();
+    assert!(r["choices"][0]["text"].is_string(), "{r}");
 
     // Supported: these change the prompt or the output.
     let prompt = |body: Value| {
@@ -1255,7 +1274,7 @@ fn penalties_are_lossless_under_speculation() {
     let body = |spec: bool, penalty: f32| {
         json!({"prompt": "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,", "max_tokens": 40,
             "temperature": 0, "frequency_penalty": penalty, "presence_penalty": penalty / 2.0,
-            "speculative": {"enabled": spec}})
+            "speculative": {"enabled": spec, "adaptive": false}})
     };
     let run = |b: Value| srv.post("/v1/completions", &b).json();
     let plain = run(body(false, 0.0));

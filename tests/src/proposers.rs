@@ -4,11 +4,11 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use specula_models::sampling::SamplingParams;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use target_host::proposer::{
-    Draft, DraftAsk, DraftBatch, Proposer, SessionId, TapRows, Verdict, Wants,
+    Draft, DraftAsk, DraftBatch, Health, Proposer, SessionId, TapRows, Verdict, Wants,
 };
 
 /// Drafts for one session through the batched interface, with a deadline long enough for a
@@ -162,4 +162,156 @@ impl Proposer for ScriptProposer {
         self.context.extend_from_slice(ids);
     }
     fn close(&mut self, _: SessionId) {}
+}
+
+/// One round with drafts as the proposer saw it: the anchor's position, the drafts, how many
+/// the target accepted, and which proposer instance drafted (a swap makes a new one); also the
+/// confidences that came with the drafts and how many drafts the host verified (0 when it cut
+/// them all).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Round {
+    pub instance: usize,
+    pub pos: usize,
+    pub tokens: Vec<u32>,
+    pub accepted: usize,
+    pub confidences: Vec<f32>,
+    pub verified: usize,
+}
+
+/// A proposer that records the rounds it drafted (a batch of one session) into a shared list.
+pub struct Recording {
+    inner: Box<dyn Proposer>,
+    instance: usize,
+    rounds: Arc<Mutex<Vec<Round>>>,
+    pos: usize,
+    /// Whether the last recorded round still awaits its verdict (a later round's commit must
+    /// not overwrite it).
+    awaiting: bool,
+    /// Factor on every confidence the drafter sends, before the host sees it.
+    scale: f32,
+}
+
+impl Recording {
+    pub fn new(inner: Box<dyn Proposer>, instance: usize, rounds: &Arc<Mutex<Vec<Round>>>) -> Self {
+        Recording {
+            inner,
+            instance,
+            rounds: rounds.clone(),
+            pos: 0,
+            awaiting: false,
+            scale: 1.0,
+        }
+    }
+
+    /// Multiplies every confidence the drafter sends by `scale` before the host sees it (and
+    /// records what the host saw): a drafter made as unsure as a test needs.
+    pub fn scaling_confidences(mut self, scale: f32) -> Self {
+        self.scale = scale;
+        self
+    }
+}
+
+impl Proposer for Recording {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn wants(&self) -> Wants {
+        self.inner.wants()
+    }
+    fn open(
+        &mut self,
+        session: SessionId,
+        context: &[u32],
+        sampling: &SamplingParams,
+        taps: Option<&TapRows>,
+    ) {
+        self.pos = context.len() - 1;
+        self.inner.open(session, context, sampling, taps);
+    }
+    fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
+        let mut drafts = self.inner.draft(batch);
+        for c in drafts.iter_mut().filter_map(|d| d.confidence.as_mut()) {
+            c.iter_mut().for_each(|x| *x *= self.scale);
+        }
+        if let Some(d) = drafts.first().filter(|d| !d.tokens.is_empty()) {
+            self.rounds.lock().expect("lock").push(Round {
+                instance: self.instance,
+                pos: self.pos,
+                tokens: d.tokens.clone(),
+                accepted: 0,
+                confidences: d.confidence.clone().unwrap_or_default(),
+                verified: 0,
+            });
+            self.awaiting = true;
+        }
+        drafts
+    }
+    fn commit(&mut self, session: SessionId, verdict: &Verdict<'_>) {
+        if std::mem::take(&mut self.awaiting) {
+            if let Some(r) = self.rounds.lock().expect("lock").last_mut() {
+                r.accepted = verdict.accepted;
+                r.verified = verdict.drafted;
+            }
+        }
+        self.pos += verdict.committed.len();
+        self.inner.commit(session, verdict);
+    }
+    fn advance(&mut self, session: SessionId, ids: &[u32], taps: Option<&TapRows>) {
+        // A round whose drafts the host cut whole commits through `advance`: none verified.
+        self.awaiting = false;
+        self.pos += ids.len();
+        self.inner.advance(session, ids, taps);
+    }
+    fn health(&self) -> Health {
+        self.inner.health()
+    }
+    fn incarnation(&self) -> u64 {
+        self.inner.incarnation()
+    }
+    fn close(&mut self, session: SessionId) {
+        self.inner.close(session);
+    }
+}
+
+/// The lowest confidence floor of the host's cut (`CONFIDENCE_FLOOR` in the engine; the floor
+/// in force is this or higher, from the measured verify cost).
+pub const LOWEST_CONFIDENCE_FLOOR: f32 = 0.1;
+
+/// Checks the host's confidence cut over recorded controller rounds against the rule, which
+/// holds whatever the measured costs: a round's verified drafts are a prefix whose reach (the
+/// product of the confidences) is at or above [`LOWEST_CONFIDENCE_FLOOR`], and every draft sent
+/// and not verified is counted in `confidence_cut` (the sum of the runs' stats). Returns how
+/// many drafts were under the lowest floor (cut whatever the floor).
+///
+/// # Panics
+/// When a round breaks the rule.
+pub fn check_confidence_cut(rounds: &[Round], confidence_cut: usize) -> usize {
+    let mut unsure = 0;
+    for r in rounds {
+        assert_eq!(
+            r.confidences.len(),
+            r.tokens.len(),
+            "one confidence a draft: {r:?}"
+        );
+        let mut reach = 1.0f32;
+        let sure = r
+            .confidences
+            .iter()
+            .take_while(|&&c| {
+                reach *= c;
+                reach >= LOWEST_CONFIDENCE_FLOOR
+            })
+            .count();
+        unsure += r.tokens.len() - sure;
+        assert!(
+            r.verified <= sure,
+            "the host verified a draft under the lowest floor: {r:?}"
+        );
+    }
+    let unverified: usize = rounds.iter().map(|r| r.tokens.len() - r.verified).sum();
+    assert_eq!(
+        confidence_cut, unverified,
+        "every draft sent and not verified is counted as cut: {rounds:?}"
+    );
+    unsure
 }

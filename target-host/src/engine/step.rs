@@ -546,14 +546,14 @@ impl<'a> Core<'a> {
         ((row * seqs as f64 / step) as f32).max(CONFIDENCE_FLOOR)
     }
 
-    /// How long the proposer may take: a few target steps of the size planned, within the
-    /// configured bounds.
+    /// How long the proposer may take: a few target steps of the size planned, at least
+    /// [`MIN_DEADLINE_MS`], never past the configured cap (which wins when it is shorter).
     fn deadline(&self, rows: usize) -> Duration {
         let step = self.controller.cost.cost(rows);
-        let ms = (self.config.draft_deadline_steps * step).clamp(
-            MIN_DEADLINE_MS,
-            self.config.draft_deadline_cap.as_secs_f64() * 1e3,
-        );
+        let cap = self.config.draft_deadline_cap.as_secs_f64() * 1e3;
+        let ms = (self.config.draft_deadline_steps * step)
+            .max(MIN_DEADLINE_MS)
+            .min(cap);
         Duration::from_secs_f64(ms / 1e3)
     }
 

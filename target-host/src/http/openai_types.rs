@@ -25,6 +25,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::generation::GenerationStats;
 
+/// A boolean field that may also be sent as `null` (OpenAI's schema marks them nullable, and
+/// some clients send every unset field so): `null` reads as `false`, as an absent field does.
+pub(crate) fn null_as_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
+}
+
 /// `stop`: one string or a list of strings.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
@@ -50,7 +56,7 @@ impl StopField {
 #[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     /// Send a last chunk with `usage` (and empty `choices`) before `[DONE]`.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_false")]
     pub include_usage: bool,
 }
 
@@ -108,7 +114,7 @@ pub struct CommonParams {
     /// Number of choices; only 1 is supported.
     pub n: Option<i64>,
     /// Stream with server-sent events.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_false")]
     pub stream: bool,
     /// Streaming options.
     pub stream_options: Option<StreamOptions>,
@@ -154,7 +160,7 @@ pub struct CompletionRequest {
     /// Number of top alternatives to report per token (0..=20).
     pub logprobs: Option<i64>,
     /// Echo the prompt before the completion (only `false` is supported).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_false")]
     pub echo: bool,
     /// Text after the completion (insertion); only absent or empty is supported.
     pub suffix: Option<String>,
@@ -245,7 +251,7 @@ pub struct ChatRequest {
     /// The conversation.
     pub messages: Vec<ChatMessageIn>,
     /// Report log-probabilities of the chosen tokens.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_false")]
     pub logprobs: bool,
     /// Alternatives per token (0..=20); needs `logprobs: true`.
     pub top_logprobs: Option<i64>,
@@ -254,7 +260,7 @@ pub struct ChatRequest {
     /// End the prompt with the assistant header (default `true`).
     pub add_generation_prompt: Option<bool>,
     /// Continue the last (assistant) message instead of starting a new one.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_false")]
     pub continue_final_message: bool,
 }
 

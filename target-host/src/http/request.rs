@@ -106,6 +106,12 @@ pub fn check_common(state: &AppState, p: &CommonParams) -> Result<Checked, ApiEr
             ));
         }
     }
+    if p.stream_options.is_some() && !p.stream {
+        return Err(ApiError::invalid(
+            "stream_options",
+            "stream_options is only allowed when stream is true",
+        ));
+    }
     let context = state.engine.model().context_len();
     let (max_param, max_tokens) = match (p.max_completion_tokens, p.max_tokens) {
         (Some(m), _) => ("max_completion_tokens", Some(m)),

@@ -495,7 +495,19 @@ fn anthropic_tool(i: usize, t: &Value) -> Result<Tool, ToolError> {
             ));
         }
     }
-    check_keys(o, &["type", "name", "description", "input_schema"], &at)?;
+    // `cache_control` marks a cache breakpoint: prefixes are cached automatically here, so it
+    // is accepted as on content blocks.
+    check_keys(
+        o,
+        &[
+            "type",
+            "name",
+            "description",
+            "input_schema",
+            "cache_control",
+        ],
+        &at,
+    )?;
     if o.get("input_schema").is_none() {
         return Err(bad(format!("{at}.input_schema"), "missing"));
     }
@@ -658,7 +670,8 @@ mod tests {
     #[test]
     fn anthropic_tools_and_choices() {
         let tools = json!([{"name": "get_weather", "description": "Weather",
-            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]);
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+            "cache_control": {"type": "ephemeral"}}]);
         let set = ToolSet::from_anthropic(Some(&tools), None)
             .unwrap()
             .unwrap();

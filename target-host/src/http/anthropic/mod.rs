@@ -62,7 +62,7 @@ struct MessagesRequest {
     system: Option<Content>,
     #[allow(dead_code)] // read through the shared checks; typed here so a bad one is named
     stop_sequences: Option<Vec<String>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::http::openai_types::null_as_false")]
     stream: bool,
     temperature: Option<f32>,
     metadata: Option<Metadata>,
