@@ -408,6 +408,81 @@ impl Proposer for Gate {
     fn close(&mut self, _: u64) {}
 }
 
+/// Panics in its first draft call, then drafts nothing.
+struct PanicsOnce(Arc<AtomicBool>);
+
+impl Proposer for PanicsOnce {
+    fn name(&self) -> &str {
+        "panics-once"
+    }
+    fn wants(&self) -> Wants {
+        Wants::default()
+    }
+    fn open(&mut self, _: u64, _: &[u32], _: &SamplingParams, _: Option<&TapRows>) {}
+    fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
+        if !self.0.swap(true, Ordering::SeqCst) {
+            panic!("a proposer bug");
+        }
+        vec![Draft::default(); batch.asks.len()]
+    }
+    fn commit(&mut self, _: u64, _: &Verdict<'_>) {}
+    fn advance(&mut self, _: u64, _: &[u32], _: Option<&TapRows>) {}
+    fn close(&mut self, _: u64) {}
+}
+
+/// Waits for a request's last event: its result.
+fn outcome(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+) -> Option<Result<Generation, String>> {
+    while let Some(ev) = rx.blocking_recv() {
+        if let Event::Done(result) = ev {
+            return Some(result);
+        }
+    }
+    None
+}
+
+/// A panic inside a step fails the requests it was serving, each with an error event (none
+/// hangs, the queue count stays true), and the engine starts over: the next request is served
+/// with the same output as alone.
+#[test]
+fn a_panic_in_a_step_fails_its_requests_and_the_engine_serves_on() {
+    let (_dir, loaded) = tiny_loaded("llama", 2);
+    let (_dir2, reference) = tiny_loaded("llama", 2);
+    let config = EngineConfig {
+        profile: false,
+        ..EngineConfig::default()
+    };
+    let panicked = Arc::new(AtomicBool::new(false));
+    let proposer = PanicsOnce(panicked.clone());
+    let engine = Engine::start(loaded, Some(Box::new(proposer)), config).expect("engine");
+    let spec = Speculation::On {
+        num_draft_tokens: 2,
+    };
+    let failed = engine
+        .submit(request(0, &[5, 6, 7], 12, spec))
+        .expect("queued");
+    match outcome(failed) {
+        Some(Err(e)) => assert!(e.contains("engine failed"), "{e}"),
+        other => panic!("the request in the panicked step: {other:?}"),
+    }
+    assert!(panicked.load(Ordering::SeqCst));
+    let req = request(0, &[9, 3, 27], 12, spec);
+    let served = engine
+        .submit(req.clone())
+        .expect("queued after the restart");
+    let got = outcome(served)
+        .expect("a result")
+        .expect("served after the restart");
+    assert_eq!(got.token_ids, solo_plain(&reference, &req));
+    assert!(engine.is_alive());
+    let until = Instant::now() + Duration::from_secs(10);
+    while engine.queue_depth() != 0 {
+        assert!(Instant::now() < until, "the queue count leaked");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// The server's engine: a full queue refuses with a retry delay; a request that can never fit
 /// the pool is refused outright; dropping a receiver frees its K/V before the next step.
 #[test]

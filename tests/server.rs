@@ -1265,6 +1265,37 @@ fn nothing_is_silently_ignored() {
         .json();
     let text = r["choices"][0]["message"]["content"].as_str().unwrap();
     assert_eq!(text, " banana banana banana", "{r}");
+    // A token holding part of a character: its logprob `bytes` are its own bytes (a prefix of
+    // the character's), not the replacement character that decoding it alone gives.
+    let emoji = "\u{1F600}";
+    let tok = srv
+        .post(
+            "/tokenize",
+            &json!({"prompt": emoji, "add_special_tokens": false}),
+        )
+        .json();
+    let ids = tok["tokens"].as_array().unwrap();
+    assert!(ids.len() > 1, "the emoji spans several tokens: {tok}");
+    let id = ids[0].as_u64().unwrap();
+    let r = srv
+        .post(
+            chat,
+            &with(json!({"logit_bias": {id.to_string(): 100}, "max_tokens": 1,
+                "logprobs": true, "top_logprobs": 1})),
+        )
+        .json();
+    let entry = &r["choices"][0]["logprobs"]["content"][0];
+    let bytes: Vec<u8> = entry["bytes"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no bytes: {r}"))
+        .iter()
+        .map(|b| b.as_u64().unwrap() as u8)
+        .collect();
+    assert!(
+        !bytes.is_empty() && bytes.len() < 4 && emoji.as_bytes().starts_with(&bytes),
+        "{bytes:x?} of {:x?}: {r}",
+        emoji.as_bytes()
+    );
 }
 
 /// Penalties change greedy output, and speculation does not change penalised output.
@@ -1391,6 +1422,74 @@ fn cut_characters_are_dropped_alike() {
 }
 
 /// Anthropic's Messages API answers what the chat endpoint answers, whole and streamed.
+/// Errors on `/v1/messages` come in Anthropic's shape whoever raises them: the API-key
+/// guard's 401 (with its challenge) and the engine's admission refusals (here a request larger
+/// than the whole KV pool, which the 429 of a full queue shares); the same refusal on an OpenAI
+/// endpoint keeps OpenAI's shape.
+#[test]
+fn anthropic_errors_keep_anthropics_shape() {
+    let srv = Server::start(&["--api-key", "k", "--kv-pool-tokens", "256"]);
+    let body = json!({"model": "smollm2-135m", "max_tokens": 300,
+        "messages": [{"role": "user", "content": "hi"}]});
+    let body = body.to_string();
+    let anthropic = |r: &Response, status: u16, kind: &str| {
+        assert_eq!(r.status, status, "{}", r.text());
+        let v = r.json();
+        assert_eq!(v["type"], "error", "{v}");
+        assert_eq!(v["error"]["type"], kind, "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{v}"
+        );
+        v
+    };
+    let r = request(&srv.addr, "POST", "/v1/messages", &[], body.as_bytes());
+    anthropic(&r, 401, "authentication_error");
+    assert!(
+        r.headers.contains("www-authenticate: bearer"),
+        "{}",
+        r.headers
+    );
+    let key = [("x-api-key", "k")];
+    let r = request(&srv.addr, "POST", "/v1/messages", &key, body.as_bytes());
+    let v = anthropic(&r, 400, "invalid_request_error");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("KV positions"),
+        "{v}"
+    );
+    let chat = chat_body("hi", 300).to_string();
+    let e = request(
+        &srv.addr,
+        "POST",
+        "/v1/chat/completions",
+        &key,
+        chat.as_bytes(),
+    )
+    .error(400);
+    assert_eq!(e["code"], "context_length_exceeded", "{e}");
+    // Fields are named as Anthropic spells them.
+    let body = json!({"model": "smollm2-135m", "max_tokens": 8, "stop_sequences": [""],
+        "messages": [{"role": "user", "content": "hi"}]});
+    let r = request(
+        &srv.addr,
+        "POST",
+        "/v1/messages",
+        &key,
+        body.to_string().as_bytes(),
+    );
+    let v = anthropic(&r, 400, "invalid_request_error");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("stop_sequences") && !message.contains("stop strings"),
+        "{v}"
+    );
+}
+
 #[test]
 fn anthropic_messages() {
     let srv = Server::start(&["--api-key", "k"]);

@@ -137,8 +137,8 @@ fn generation_goes_on_without_a_refused_drafter() {
 fn sampled_generation_with_two_model_completes() {
     let m = model_path("smollm2-135m");
     let m_str = m.to_str().expect("utf-8 model path");
-    // A fixed k with patient deadlines: the counts below do not hang on the controller's
-    // choices or a loaded machine's timing.
+    // A fixed k (`run` waits for every draft): the counts below do not hang on the
+    // controller's choices.
     let mut args = vec![
         "--temperature",
         "0.8",
@@ -147,10 +147,6 @@ fn sampled_generation_with_two_model_completes() {
         "--fixed-draft",
         "--num-draft-tokens",
         "4",
-        "--draft-deadline-steps",
-        "1000",
-        "--draft-deadline-ms",
-        "10000",
     ];
     args.extend(two_model_args(m_str, &[]));
     let out = json(&generate(&m, &args));

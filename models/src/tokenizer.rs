@@ -49,6 +49,8 @@ pub struct Tokenizer {
     /// A copy of `inner` that treats special tokens as text, built on first use of
     /// [`Special::Plain`] (most callers never need it, and the Qwen vocabulary is large).
     plain: OnceLock<tokenizers::Tokenizer>,
+    /// Every id's bytes ([`Tokenizer::token_bytes`]), built on first use.
+    pieces: OnceLock<std::sync::Arc<[bytes::TokenPiece]>>,
     vocab_size: usize,
     bos: Option<u32>,
     add_bos: bool,
@@ -154,6 +156,7 @@ impl Tokenizer {
         Ok(Tokenizer {
             inner,
             plain: OnceLock::new(),
+            pieces: OnceLock::new(),
             vocab_size,
             bos,
             add_bos: ids.add_bos,

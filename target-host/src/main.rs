@@ -71,7 +71,8 @@ struct GenerateArgs {
     /// Penalise tokens already in the context (1 = off).
     #[arg(long, default_value_t = 1.0)]
     repetition_penalty: f32,
-    /// Random seed (sampling is reproducible with a seed).
+    /// Random seed: the same text every run without speculation; with a drafter, the same
+    /// distribution (which drafts are verified can vary with timing and changes the draws).
     #[arg(long)]
     seed: Option<u64>,
     #[command(flatten)]

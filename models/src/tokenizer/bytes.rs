@@ -59,6 +59,14 @@ impl Tokenizer {
             })
             .collect()
     }
+
+    /// The bytes of one token id, as [`Tokenizer::token_pieces`] gives them (computed once, on
+    /// first use): exact also for a token that holds part of a UTF-8 character, which has no
+    /// text of its own (logprobs' `bytes`). Empty for an id past the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        let pieces = self.pieces.get_or_init(|| self.token_pieces().into());
+        pieces.get(id as usize).map_or(&[], |p| &p.bytes)
+    }
 }
 
 fn spelling(decoder: Option<&DecoderWrapper>) -> Spelling {
@@ -132,6 +140,14 @@ mod tests {
         let tok = load(name);
         let pieces = tok.token_pieces();
         assert_eq!(pieces.len(), tok.vocab_size());
+        for id in (0..pieces.len()).step_by(97) {
+            assert_eq!(
+                tok.token_bytes(id as u32),
+                pieces[id].bytes,
+                "{name} id {id}"
+            );
+        }
+        assert!(tok.token_bytes(pieces.len() as u32).is_empty());
         let mut checked = 0;
         for (id, p) in pieces.iter().enumerate() {
             let Ok(text) = std::str::from_utf8(&p.bytes) else {

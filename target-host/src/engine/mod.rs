@@ -32,11 +32,12 @@ pub mod step;
 pub mod tap_cache;
 pub mod target;
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use clap::Args;
 use specula_models::chat::ChatTemplate;
 use specula_models::kv_pool::{PoolStats, BLOCK_SIZE};
@@ -345,6 +346,38 @@ struct ChannelSink {
     outstanding: Arc<AtomicUsize>,
     durations: Arc<Mutex<DurationEma>>,
     started: Instant,
+    /// `done` was called: the request has left the queue.
+    finished: bool,
+}
+
+impl Drop for ChannelSink {
+    /// A sink dropped unfinished (its core dropped after a panic) fails its request, so the
+    /// client hears why and the queue count stays true.
+    fn drop(&mut self) {
+        if !self.finished {
+            self.done(Err(
+                "the engine failed while serving this request (see the server log)".into(),
+            ));
+        }
+    }
+}
+
+/// Clears the engine's alive flag when the worker thread ends, however it ends.
+struct Alive(Arc<AtomicBool>);
+
+impl Drop for Alive {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+}
+
+/// The text of a caught panic's payload.
+fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("no message")
 }
 
 impl Sink for ChannelSink {
@@ -360,6 +393,7 @@ impl Sink for ChannelSink {
         }
     }
     fn done(&mut self, result: Result<Generation, String>) {
+        self.finished = true;
         if let Err(e) = &result {
             tracing::warn!("generation failed: {e}");
         }
@@ -391,6 +425,8 @@ impl DurationEma {
 #[derive(Clone)]
 pub struct Engine {
     jobs: mpsc::Sender<Job>,
+    /// Cleared when the worker thread ends (see [`Engine::start`]).
+    alive: Arc<AtomicBool>,
     slot: Arc<ProposerSlot>,
     model: Arc<Model>,
     tokenizer: Arc<Tokenizer>,
@@ -403,10 +439,17 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Starts the worker thread over `loaded`, drafting with `proposer` (if any).
+    /// Starts the worker thread over `loaded`, drafting with `proposer` (if any), and waits
+    /// until it is ready (its cost table profiled).
+    ///
+    /// A panic inside a step (a bug, or an in-process proposer's) fails the requests in
+    /// flight, each with an error event, and the worker starts over with a fresh core: the
+    /// server keeps serving. Only when a fresh core cannot be built does the engine stop:
+    /// then [`Engine::submit`] refuses with [`Refusal::Stopped`] and [`Engine::is_alive`] is
+    /// false.
     ///
     /// # Errors
-    /// Invalid `config` ([`EngineConfig::validate`]).
+    /// Invalid `config` ([`EngineConfig::validate`]), or a core that cannot be built.
     pub fn start(
         loaded: LoadedModel,
         proposer: Option<Box<dyn Proposer>>,
@@ -421,6 +464,8 @@ impl Engine {
         let (jobs, rx) = mpsc::channel::<Job>();
         let outstanding = Arc::new(AtomicUsize::new(0));
         let durations = Arc::new(Mutex::new(DurationEma::default()));
+        let alive = Arc::new(AtomicBool::new(true));
+        let (ready, started) = mpsc::sync_channel::<anyhow::Result<()>>(1);
         {
             let (model, tokenizer, slot, counters) = (
                 model.clone(),
@@ -429,24 +474,60 @@ impl Engine {
                 counters.clone(),
             );
             let (outstanding, durations) = (outstanding.clone(), durations.clone());
+            let alive = Alive(alive.clone());
             thread::Builder::new()
                 .name("engine".into())
                 .spawn(move || {
+                    let _alive = alive;
                     // The worker never refuses: `submit` bounds the queue before sending.
                     let config = EngineConfig {
                         max_waiting: usize::MAX,
                         ..config
                     };
-                    match Core::with_counters(&model, &tokenizer, &slot, config, counters) {
-                        Ok(mut core) => worker(&mut core, &rx, &outstanding, &durations),
-                        // Dropping the queue answers every submit with "the engine has stopped".
-                        Err(e) => tracing::error!("the engine cannot start: {e:#}"),
+                    let mut ready = Some(ready);
+                    loop {
+                        let core = Core::with_counters(
+                            &model,
+                            &tokenizer,
+                            &slot,
+                            config.clone(),
+                            counters.clone(),
+                        );
+                        let mut core = match (core, ready.take()) {
+                            (Ok(core), first) => {
+                                if let Some(ready) = first {
+                                    let _ = ready.send(Ok(()));
+                                }
+                                core
+                            }
+                            (Err(e), Some(ready)) => return drop(ready.send(Err(e))),
+                            (Err(e), None) => {
+                                return tracing::error!("the engine cannot restart: {e:#}")
+                            }
+                        };
+                        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            worker(&mut core, &rx, &outstanding, &durations)
+                        }));
+                        match run {
+                            // The queue closed: the server is stopping.
+                            Ok(()) => return,
+                            // Dropping the core fails its requests (see `ChannelSink`'s drop).
+                            Err(panic) => tracing::error!(
+                                "the engine panicked ({}): its requests fail, and it restarts",
+                                panic_message(&panic)
+                            ),
+                        }
                     }
                 })
                 .expect("invariant: the OS can spawn the engine thread");
         }
+        started
+            .recv()
+            .map_err(|_| anyhow::anyhow!("the engine thread ended before it was ready"))?
+            .context("the engine cannot start")?;
         Ok(Engine {
             jobs,
+            alive,
             slot,
             model,
             tokenizer,
@@ -463,8 +544,8 @@ impl Engine {
     /// by a fresh one. Dropping the receiver cancels the request.
     ///
     /// # Errors
-    /// [`Rejected`] when the waiting queue is full (with a retry delay) or the request can
-    /// never fit the KV pool.
+    /// [`Rejected`] when the waiting queue is full (with a retry delay), the request can
+    /// never fit the KV pool, or the engine has stopped.
     pub fn submit(
         &self,
         mut req: GenerationRequest,
@@ -492,11 +573,12 @@ impl Engine {
         }
         req.session = self.new_session();
         let (events, rx) = tokio_mpsc::unbounded_channel();
-        if let Err(mpsc::SendError(job)) = self.jobs.send(Job { req, events }) {
+        if self.jobs.send(Job { req, events }).is_err() {
             self.outstanding.fetch_sub(1, Ordering::SeqCst);
-            let _ = job
-                .events
-                .send(Event::Done(Err("the engine has stopped".into())));
+            return Err(Rejected {
+                refusal: Refusal::Stopped,
+                retry_after: None,
+            });
         }
         Ok(rx)
     }
@@ -549,6 +631,12 @@ impl Engine {
         self.outstanding.load(Ordering::SeqCst)
     }
 
+    /// Whether the worker is running (false only once it could not start over; see
+    /// [`Engine::start`]).
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
+    }
+
     /// The engine's counters (running, waiting, pool, batch rows, chosen k, prefix cache).
     pub fn counters(&self) -> EngineCounters {
         self.counters.snapshot()
@@ -579,6 +667,7 @@ fn worker(
                 outstanding: outstanding.clone(),
                 durations: durations.clone(),
                 started: Instant::now(),
+                finished: false,
             };
             if let Err(e) = core.admit(job.req, Box::new(sink)) {
                 // Unreachable with an unbounded worker queue; reported, never dropped.

@@ -4,6 +4,7 @@
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use serde_json::Value;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::error::ApiError;
@@ -11,38 +12,57 @@ use super::AppState;
 use crate::engine::{Event, Refusal, Rejected};
 use crate::generation::GenerationRequest;
 
-/// Submits `req` to the engine; on refusal, the response to send (already counted under
+/// A request the engine did not take: the error to answer with, and when to ask again.
+#[derive(Debug)]
+pub struct Refused {
+    /// Status, code and message.
+    pub error: ApiError,
+    /// Sent as `Retry-After` (whole seconds, at least 1).
+    pub retry_after: Option<std::time::Duration>,
+}
+
+impl Refused {
+    /// The response, its body in the endpoint's error shape (`body`: OpenAI's
+    /// [`ApiError::to_json`], or Anthropic's), with `Retry-After` when known.
+    pub fn respond(self, body: impl FnOnce(&ApiError) -> Value) -> Response {
+        let mut response = (self.error.status, axum::Json(body(&self.error))).into_response();
+        if let Some(after) = self.retry_after {
+            let secs = after.as_secs().max(1).to_string();
+            response.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from_str(&secs).expect("invariant: digits are a header value"),
+            );
+        }
+        response
+    }
+}
+
+/// Submits `req` to the engine; on refusal, what to answer (already counted under
 /// `endpoint`).
 pub fn submit(
     state: &AppState,
     endpoint: &'static str,
     req: GenerationRequest,
-) -> Result<UnboundedReceiver<Event>, Box<Response>> {
+) -> Result<UnboundedReceiver<Event>, Box<Refused>> {
     state.engine.submit(req).map_err(|rejected| {
-        let (status, code) = status_of(&rejected.refusal);
-        state.metrics.request(endpoint, status.as_u16());
-        Box::new(refusal_response(&rejected, status, code))
+        let refused = refused(&rejected);
+        state
+            .metrics
+            .request(endpoint, refused.error.status.as_u16());
+        Box::new(refused)
     })
 }
 
-fn status_of(refusal: &Refusal) -> (StatusCode, &'static str) {
-    match refusal {
+fn refused(rejected: &Rejected) -> Refused {
+    let (status, code) = match &rejected.refusal {
         Refusal::Busy { .. } => (StatusCode::TOO_MANY_REQUESTS, "server_busy"),
         Refusal::TooLarge { .. } => (StatusCode::BAD_REQUEST, "context_length_exceeded"),
         _ => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+    };
+    Refused {
+        error: ApiError::new(status, code, rejected.to_string()),
+        retry_after: rejected.retry_after,
     }
-}
-
-fn refusal_response(rejected: &Rejected, status: StatusCode, code: &'static str) -> Response {
-    let mut response = ApiError::new(status, code, rejected.to_string()).into_response();
-    if let Some(after) = rejected.retry_after {
-        let secs = after.as_secs().max(1).to_string();
-        response.headers_mut().insert(
-            header::RETRY_AFTER,
-            HeaderValue::from_str(&secs).expect("invariant: digits are a header value"),
-        );
-    }
-    response
 }
 
 #[cfg(test)]
@@ -60,15 +80,21 @@ mod tests {
             },
             retry_after: Some(Duration::from_secs(3)),
         };
-        let (status, code) = status_of(&rejected.refusal);
-        let r = refusal_response(&rejected, status, code);
+        let r = refused(&rejected).respond(ApiError::to_json);
         assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(r.headers()[header::RETRY_AFTER], "3");
-        let too_large = Refusal::TooLarge { need: 10, pool: 5 };
-        assert_eq!(status_of(&too_large).0, StatusCode::BAD_REQUEST);
+        let status = |refusal| {
+            refused(&Rejected {
+                refusal,
+                retry_after: None,
+            })
+            .error
+            .status
+        };
         assert_eq!(
-            status_of(&Refusal::Stopped).0,
-            StatusCode::SERVICE_UNAVAILABLE
+            status(Refusal::TooLarge { need: 10, pool: 5 }),
+            StatusCode::BAD_REQUEST
         );
+        assert_eq!(status(Refusal::Stopped), StatusCode::SERVICE_UNAVAILABLE);
     }
 }

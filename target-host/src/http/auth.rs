@@ -110,7 +110,10 @@ pub fn credential(headers: &HeaderMap) -> Option<&str> {
 
 /// 401 with `WWW-Authenticate: Bearer`.
 pub fn unauthorized(code: &'static str, message: &str) -> Response {
-    let mut resp = ApiError::new(StatusCode::UNAUTHORIZED, code, message).into_response();
+    with_challenge(ApiError::new(StatusCode::UNAUTHORIZED, code, message).into_response())
+}
+
+fn with_challenge(mut resp: Response) -> Response {
     resp.headers_mut()
         .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     resp
@@ -127,10 +130,18 @@ pub async fn api_key_guard(
     if !keys.is_configured() || credential(req.headers()).is_some_and(|k| keys.accepts(k)) {
         return next.run(req).await;
     }
-    unauthorized(
+    let e = ApiError::new(
+        StatusCode::UNAUTHORIZED,
         "invalid_api_key",
         "this server needs an API key: `Authorization: Bearer <key>` (or `x-api-key: <key>`)",
-    )
+    );
+    // Each API's clients parse errors in their own shape.
+    match req.uri().path() == "/v1/messages" {
+        true => with_challenge(
+            (e.status, axum::Json(super::anthropic::anthropic_error(&e))).into_response(),
+        ),
+        false => with_challenge(e.into_response()),
+    }
 }
 
 /// Cross-origin policy of the whole server.

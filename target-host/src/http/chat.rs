@@ -67,7 +67,7 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
     let (gen_req, plan) = checked.into_request(state, prompt_ids, logprobs, "messages")?;
     let rx = match super::admission::submit(state, "chat", gen_req) {
         Ok(rx) => rx,
-        Err(refused) => return Ok(*refused),
+        Err(refused) => return Ok(refused.respond(ApiError::to_json)),
     };
     let tracker = Tracker::new(state.metrics.clone(), "chat");
     let mut chunks = ChatChunks {
@@ -366,9 +366,14 @@ struct ChatChunks {
 impl ChatChunks {
     fn logprobs_of(&self, tokens: &[TokenOut]) -> ChatLogprobs {
         let tokenizer: &Tokenizer = self.state.engine.tokenizer();
+        // The token's own bytes: a token holding part of a character has no text of its own
+        // (its `token` reads U+FFFD), and its bytes let a client join the pieces.
         let entry = |id: u32, logprob: f32| {
-            let token = token_text(tokenizer, id);
-            (token.as_bytes().to_vec(), token, logprob)
+            (
+                tokenizer.token_bytes(id).to_vec(),
+                token_text(tokenizer, id),
+                logprob,
+            )
         };
         let content = tokens
             .iter()

@@ -63,7 +63,7 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
     let (gen_req, plan) = checked.into_request(state, prompt_ids, logprobs, "prompt")?;
     let rx = match super::admission::submit(state, "completions", gen_req) {
         Ok(rx) => rx,
-        Err(refused) => return Ok(*refused),
+        Err(refused) => return Ok(refused.respond(ApiError::to_json)),
     };
     let tracker = Tracker::new(state.metrics.clone(), "completions");
     let chunks = CompletionChunks {

@@ -58,17 +58,26 @@ pub async fn retrieve(
 
 /// `GET /health`: 200 with the queue depth, the drafter installed and its health
 /// (`"degraded"` while it misses deadlines or restarts: the engine drafts less with it, or
-/// not at all, until it answers in time again; `null` without a drafter).
-pub async fn health(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+/// not at all, until it answers in time again; `null` without a drafter); 503 with status
+/// `"stopped"` once the engine has stopped (it could not start over after a failure), so a
+/// load balancer takes the server out.
+pub async fn health(State(state): State<Arc<AppState>>) -> (StatusCode, Json<serde_json::Value>) {
     let drafter_health = state.engine.drafter_health().map(|h| match h {
         Health::Healthy => "healthy",
         Health::Degraded => "degraded",
     });
-    Json(serde_json::json!({
-        "status": "ok",
-        "model": state.model_name,
-        "queue_depth": state.engine.queue_depth(),
-        "drafter": state.admin.current_name(),
-        "drafter_health": drafter_health,
-    }))
+    let (status, word) = match state.engine.is_alive() {
+        true => (StatusCode::OK, "ok"),
+        false => (StatusCode::SERVICE_UNAVAILABLE, "stopped"),
+    };
+    (
+        status,
+        Json(serde_json::json!({
+            "status": word,
+            "model": state.model_name,
+            "queue_depth": state.engine.queue_depth(),
+            "drafter": state.admin.current_name(),
+            "drafter_health": drafter_health,
+        })),
+    )
 }

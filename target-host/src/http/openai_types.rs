@@ -14,8 +14,8 @@
 //!
 //! Specula extensions (both optional, ignored by OpenAI clients):
 //! - request `speculative: {"enabled": bool, "num_draft_tokens": int, "adaptive": bool}`
-//!   overrides the server's speculation for one request (it can only change speed, never the
-//!   output); `adaptive` lets the host pick each round's k up to `num_draft_tokens` and cut
+//!   overrides the server's speculation for one request (it can only change speed: greedy
+//!   output is the same tokens, sampled output has the same distribution); `adaptive` lets the host pick each round's k up to `num_draft_tokens` and cut
 //!   drafts by the drafter's confidences; `adaptive: false` verifies exactly the
 //!   `num_draft_tokens` drafts the drafter sends every round, uncut;
 //! - response `usage.speculative: {drafted, accepted, rounds, mean_accepted_per_round,

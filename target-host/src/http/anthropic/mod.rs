@@ -99,7 +99,7 @@ pub(super) fn parse_for_tests(body: &Value) -> bool {
 }
 
 /// An [`ApiError`] in Anthropic's shape.
-fn anthropic_error(e: &ApiError) -> Value {
+pub(crate) fn anthropic_error(e: &ApiError) -> Value {
     let kind = match e.status {
         StatusCode::UNAUTHORIZED => "authentication_error",
         StatusCode::FORBIDDEN => "permission_error",
@@ -162,7 +162,19 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
             common[to] = v.clone();
         }
     }
-    let mut checked = check_common(state, &parse_value(&common)?)?;
+    // Errors name the fields as this API spells them.
+    let anthropic_names = |mut e: ApiError| {
+        if let Some(p) = &e.param {
+            if let Some(rest) = p.strip_prefix("stop") {
+                e.param = Some(format!("stop_sequences{rest}"));
+                e.message = e.message.replace("stop strings", "stop_sequences");
+            }
+        }
+        e
+    };
+    let mut checked = parse_value(&common)
+        .and_then(|p| check_common(state, &p))
+        .map_err(anthropic_names)?;
     let tools =
         ToolSet::from_anthropic(body.get("tools"), body.get("tool_choice")).map_err(tool_error)?;
     if req.messages.is_empty() {
@@ -219,7 +231,7 @@ async fn run(state: &Arc<AppState>, body: Result<ApiJson, ApiError>) -> Result<R
     let (gen_req, plan) = checked.into_request(state, prompt_ids, None, "messages")?;
     let rx = match super::admission::submit(state, "messages", gen_req) {
         Ok(rx) => rx,
-        Err(refused) => return Ok(*refused),
+        Err(refused) => return Ok(refused.respond(anthropic_error)),
     };
     let tracker = Tracker::new(state.metrics.clone(), "messages");
     let mut events = MessageEvents {
