@@ -1298,6 +1298,34 @@ fn nothing_is_silently_ignored() {
     );
 }
 
+/// A repeated prompt's prefill comes from the prefix cache, and `usage` says how much of it:
+/// `prompt_tokens_details.cached_tokens` (whole blocks of 32), 0 the first time; the answer is the
+/// same.
+#[test]
+fn usage_reports_cached_prompt_tokens() {
+    let srv = Server::start(&[]);
+    let system = "You are a careful assistant who answers briefly. ".repeat(6);
+    let body = json!({"messages": [{"role": "system", "content": system},
+        {"role": "user", "content": "Say hello."}], "max_tokens": 4, "temperature": 0});
+    let first = srv.post("/v1/chat/completions", &body).json();
+    let second = srv.post("/v1/chat/completions", &body).json();
+    let cached = |r: &Value| {
+        r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no cached_tokens: {r}"))
+    };
+    assert_eq!(cached(&first), 0, "{first}");
+    let prompt = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        cached(&second) >= 32 && cached(&second) < prompt,
+        "{second}"
+    );
+    assert_eq!(
+        first["choices"][0]["message"]["content"],
+        second["choices"][0]["message"]["content"]
+    );
+}
+
 /// Penalties change greedy output, and speculation does not change penalised output.
 #[test]
 fn penalties_are_lossless_under_speculation() {

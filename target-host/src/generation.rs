@@ -111,6 +111,9 @@ pub enum Flow {
 pub struct GenerationStats {
     /// Prompt length in tokens.
     pub prompt_tokens: usize,
+    /// Prompt positions not computed for this request: adopted from the prefix cache or from
+    /// a live sequence with the same leading tokens (counted in `prompt_tokens` too).
+    pub cached_tokens: usize,
     /// Tokens generated (EOS not counted).
     pub generated_tokens: usize,
     /// Time to prefill the prompt.

@@ -264,7 +264,10 @@ impl<'a> Core<'a> {
                     let l = &mut self.live[i];
                     l.placed = true;
                     match self.target.fork(l.seq.session(), from, len) {
-                        Ok(held) => l.seq.computed = held,
+                        Ok(held) => {
+                            l.seq.computed = held;
+                            l.seq.stats.cached_tokens = held;
+                        }
                         Err(e) => l.error = Some(format!("{e:#}")),
                     }
                 }
@@ -337,6 +340,7 @@ impl<'a> Core<'a> {
         match self.target.create(seq.session(), reuse) {
             Ok(hit) => {
                 seq.computed = hit;
+                seq.stats.cached_tokens = hit;
                 if taps_needed && hit > 0 {
                     live.prompt_taps = self.tap_cache.prefix(&live.keys[..hit / BLOCK_SIZE]);
                 }

@@ -288,8 +288,19 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Their sum.
     pub total_tokens: usize,
+    /// What of the prompt was not computed for this request.
+    pub prompt_tokens_details: PromptTokensDetails,
     /// Speculation counters.
     pub speculative: SpeculativeUsage,
+}
+
+/// `usage.prompt_tokens_details`, as OpenAI reports it.
+#[derive(Debug, Clone, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens taken from the prefix cache (or shared with a request running beside
+    /// it): their prefill was skipped. Prefixes are cached automatically, whole blocks at a
+    /// time.
+    pub cached_tokens: usize,
 }
 
 impl Usage {
@@ -299,6 +310,9 @@ impl Usage {
             prompt_tokens: s.prompt_tokens,
             completion_tokens: s.generated_tokens,
             total_tokens: s.prompt_tokens + s.generated_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: s.cached_tokens,
+            },
             speculative: SpeculativeUsage {
                 drafted: s.drafted,
                 accepted: s.accepted,
