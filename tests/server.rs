@@ -1449,7 +1449,6 @@ fn cut_characters_are_dropped_alike() {
     assert_eq!(streamed, text);
 }
 
-/// Anthropic's Messages API answers what the chat endpoint answers, whole and streamed.
 /// Errors on `/v1/messages` come in Anthropic's shape whoever raises them: the API-key
 /// guard's 401 (with its challenge) and the engine's admission refusals (here a request larger
 /// than the whole KV pool, which the 429 of a full queue shares); the same refusal on an OpenAI
@@ -1518,6 +1517,7 @@ fn anthropic_errors_keep_anthropics_shape() {
     );
 }
 
+/// Anthropic's Messages API answers what the chat endpoint answers, whole and streamed.
 #[test]
 fn anthropic_messages() {
     let srv = Server::start(&["--api-key", "k"]);
