@@ -287,6 +287,8 @@ pub enum Health {
     /// Missing deadlines or restarting: the engine drafts less with it (or not at all) until
     /// it answers in time again.
     Degraded,
+    /// It panicked: the engine drafts without it until another proposer is installed.
+    Failed,
 }
 
 /// Where drafts come from, as the engine sees it. Implemented by the out-of-process drafter
@@ -346,7 +348,7 @@ pub struct ProposerSlot {
 #[derive(Default)]
 pub struct Current {
     epoch: u64,
-    proposer: Option<Box<dyn Proposer>>,
+    proposer: Option<Fused>,
 }
 
 impl Current {
@@ -355,14 +357,17 @@ impl Current {
         self.epoch
     }
 
-    /// The proposer, or `None` when there is none.
+    /// The proposer, or `None` when there is none or it has failed (panicked).
     pub fn proposer(&mut self) -> Option<&mut (dyn Proposer + 'static)> {
-        self.proposer.as_deref_mut()
+        match &mut self.proposer {
+            Some(p) if p.failed.is_none() => Some(p),
+            _ => None,
+        }
     }
 
-    /// Whether a proposer is installed.
+    /// Whether a working proposer is installed.
     pub fn is_some(&self) -> bool {
-        self.proposer.is_some()
+        self.proposer.as_ref().is_some_and(|p| p.failed.is_none())
     }
 
     /// Which proposer, and which life of it, a session is open on: the slot's epoch and the
@@ -374,11 +379,112 @@ impl Current {
     }
 }
 
+/// A proposer behind a fuse: a panic in any of its calls is caught at the call, logged, and
+/// blows the fuse, so the step goes on without drafts (a drafter bug costs speed, never a
+/// request) and the proposer is never called again. Its state after a panic is unknown, so
+/// it is only dropped.
+struct Fused {
+    inner: Box<dyn Proposer>,
+    name: String,
+    failed: Option<String>,
+}
+
+impl Fused {
+    fn new(inner: Box<dyn Proposer>) -> Fused {
+        let name = inner.name().to_string();
+        Fused {
+            inner,
+            name,
+            failed: None,
+        }
+    }
+
+    /// Runs `call` on the proposer unless the fuse has blown; a panic blows it and gives
+    /// `fallback`.
+    fn guard<R>(
+        &mut self,
+        what: &str,
+        fallback: R,
+        call: impl FnOnce(&mut dyn Proposer) -> R,
+    ) -> R {
+        if self.failed.is_some() {
+            return fallback;
+        }
+        let inner = &mut *self.inner;
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| call(inner))) {
+            Ok(r) => r,
+            Err(panic) => {
+                let why = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "no message".into());
+                tracing::error!(
+                    drafter = %self.name,
+                    "the drafter panicked in {what} ({why}): drafting without it until another is installed"
+                );
+                self.failed = Some(why);
+                fallback
+            }
+        }
+    }
+}
+
+impl Proposer for Fused {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn wants(&self) -> Wants {
+        if self.failed.is_some() {
+            return Wants::default();
+        }
+        let inner = &*self.inner;
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.wants())).unwrap_or_default()
+    }
+    fn open(
+        &mut self,
+        session: SessionId,
+        context: &[u32],
+        sampling: &SamplingParams,
+        taps: Option<&TapRows>,
+    ) {
+        self.guard("open", (), |p| p.open(session, context, sampling, taps))
+    }
+    fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
+        let none = vec![Draft::default(); batch.asks.len()];
+        self.guard("draft", none, |p| p.draft(batch))
+    }
+    fn commit(&mut self, session: SessionId, verdict: &Verdict<'_>) {
+        self.guard("commit", (), |p| p.commit(session, verdict))
+    }
+    fn advance(&mut self, session: SessionId, ids: &[u32], taps: Option<&TapRows>) {
+        self.guard("advance", (), |p| p.advance(session, ids, taps))
+    }
+    fn close(&mut self, session: SessionId) {
+        self.guard("close", (), |p| p.close(session))
+    }
+    fn health(&self) -> Health {
+        match self.failed {
+            Some(_) => Health::Failed,
+            None => self.inner.health(),
+        }
+    }
+    fn incarnation(&self) -> u64 {
+        self.inner.incarnation()
+    }
+    fn transfer(&self) -> Transfer {
+        self.inner.transfer()
+    }
+}
+
 impl ProposerSlot {
     /// A slot holding `proposer`.
     pub fn new(proposer: Option<Box<dyn Proposer>>) -> Self {
         ProposerSlot {
-            inner: std::sync::Mutex::new(Current { epoch: 0, proposer }),
+            inner: std::sync::Mutex::new(Current {
+                epoch: 0,
+                proposer: proposer.map(Fused::new),
+            }),
         }
     }
 
@@ -387,7 +493,7 @@ impl ProposerSlot {
     pub fn replace(&self, proposer: Option<Box<dyn Proposer>>) -> Option<Box<dyn Proposer>> {
         let mut cur = self.lock();
         cur.epoch += 1;
-        std::mem::replace(&mut cur.proposer, proposer)
+        std::mem::replace(&mut cur.proposer, proposer.map(Fused::new)).map(|f| f.inner)
     }
 
     /// The current proposer's health (`None` without a proposer).

@@ -335,9 +335,13 @@ pub struct Rejected {
     pub retry_after: Option<Duration>,
 }
 
-struct Job {
-    req: GenerationRequest,
-    events: tokio_mpsc::UnboundedSender<Event>,
+/// What the worker is sent.
+enum Job {
+    /// A request and the sink that answers it. The sink is made at submission, so a job the
+    /// worker never takes (it stopped) still fails its request when dropped.
+    Run(Box<GenerationRequest>, ChannelSink),
+    /// Panic inside the worker ([`Engine::inject_panic`]).
+    Panic,
 }
 
 /// The server's sink: a channel to the HTTP handler.
@@ -473,7 +477,6 @@ impl Engine {
                 slot.clone(),
                 counters.clone(),
             );
-            let (outstanding, durations) = (outstanding.clone(), durations.clone());
             let alive = Alive(alive.clone());
             thread::Builder::new()
                 .name("engine".into())
@@ -484,6 +487,8 @@ impl Engine {
                         max_waiting: usize::MAX,
                         ..config
                     };
+                    // Logprob bytes are built on first use; build them before any request waits.
+                    let _ = tokenizer.token_bytes(0);
                     let mut ready = Some(ready);
                     loop {
                         let core = Core::with_counters(
@@ -506,7 +511,7 @@ impl Engine {
                             }
                         };
                         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            worker(&mut core, &rx, &outstanding, &durations)
+                            worker(&mut core, &rx)
                         }));
                         match run {
                             // The queue closed: the server is stopping.
@@ -550,6 +555,12 @@ impl Engine {
         &self,
         mut req: GenerationRequest,
     ) -> Result<tokio_mpsc::UnboundedReceiver<Event>, Rejected> {
+        if !self.is_alive() {
+            return Err(Rejected {
+                refusal: Refusal::Stopped,
+                retry_after: None,
+            });
+        }
         let need = step::need(&req, self.model.context_len());
         if need > self.limits.pool_tokens {
             return Err(Rejected {
@@ -573,7 +584,18 @@ impl Engine {
         }
         req.session = self.new_session();
         let (events, rx) = tokio_mpsc::unbounded_channel();
-        if self.jobs.send(Job { req, events }).is_err() {
+        let sink = ChannelSink {
+            events,
+            outstanding: self.outstanding.clone(),
+            durations: self.durations.clone(),
+            started: Instant::now(),
+            finished: false,
+        };
+        if let Err(mpsc::SendError(job)) = self.jobs.send(Job::Run(Box::new(req), sink)) {
+            if let Job::Run(_, mut sink) = job {
+                // Leaves the queue count as it was; nobody reads the events.
+                sink.finished = true;
+            }
             self.outstanding.fetch_sub(1, Ordering::SeqCst);
             return Err(Rejected {
                 refusal: Refusal::Stopped,
@@ -581,6 +603,13 @@ impl Engine {
             });
         }
         Ok(rx)
+    }
+
+    /// Makes the worker panic between two steps, as a bug in a step would: for the tests of
+    /// the engine's recovery.
+    #[doc(hidden)]
+    pub fn inject_panic(&self) {
+        let _ = self.jobs.send(Job::Panic);
     }
 
     /// How long a refused client should wait: the queue ahead of it drained at the measured
@@ -643,12 +672,7 @@ impl Engine {
     }
 }
 
-fn worker(
-    core: &mut Core<'_>,
-    jobs: &mpsc::Receiver<Job>,
-    outstanding: &Arc<AtomicUsize>,
-    durations: &Arc<Mutex<DurationEma>>,
-) {
+fn worker(core: &mut Core<'_>, jobs: &mpsc::Receiver<Job>) {
     loop {
         // Block for work only when idle; otherwise take what arrived and step.
         let first = match core.has_work() {
@@ -662,14 +686,13 @@ fn worker(
             .into_iter()
             .chain(std::iter::from_fn(|| jobs.try_recv().ok()))
         {
-            let sink = ChannelSink {
-                events: job.events,
-                outstanding: outstanding.clone(),
-                durations: durations.clone(),
-                started: Instant::now(),
-                finished: false,
+            let (req, mut sink) = match job {
+                Job::Run(req, sink) => (req, sink),
+                Job::Panic => panic!("a panic injected into the engine"),
             };
-            if let Err(e) = core.admit(job.req, Box::new(sink)) {
+            // The retry delay's mean is of service time, not of time queued.
+            sink.started = Instant::now();
+            if let Err(e) = core.admit(*req, Box::new(sink)) {
                 // Unreachable with an unbounded worker queue; reported, never dropped.
                 tracing::error!("engine refused an admitted request: {e}");
             }

@@ -135,7 +135,7 @@ impl<'a> Core<'a> {
         tracing::debug!(?points, "verify cost table (rows, ms)");
         let limits = config.limits(model.context_len());
         counters.set_limits(&limits);
-        Ok(Core {
+        let core = Core {
             tokenizer,
             slot,
             target: Target::new(
@@ -151,7 +151,10 @@ impl<'a> Core<'a> {
             tap_cache: TapCache::new(config.tap_cache_mib << 20),
             counters,
             config,
-        })
+        };
+        // A core built after a panic starts from zero: the counters say so at once.
+        core.publish();
+        Ok(core)
     }
 
     /// Whether anything is waiting or running.
@@ -772,6 +775,20 @@ impl<'a> Core<'a> {
             self.sched.reserved(),
             &pool,
         );
+    }
+}
+
+impl Drop for Core<'_> {
+    /// A core dropped with sequences running (after a panic) ends their drafter sessions, so
+    /// a drafter that outlives the core does not keep them.
+    fn drop(&mut self) {
+        if self.live.is_empty() {
+            return;
+        }
+        let mut cur = self.slot.lock();
+        for live in &self.live {
+            self.drafting.close(&mut cur, live.seq.session());
+        }
     }
 }
 

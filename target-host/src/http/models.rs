@@ -65,6 +65,7 @@ pub async fn health(State(state): State<Arc<AppState>>) -> (StatusCode, Json<ser
     let drafter_health = state.engine.drafter_health().map(|h| match h {
         Health::Healthy => "healthy",
         Health::Degraded => "degraded",
+        Health::Failed => "failed",
     });
     let (status, word) = match state.engine.is_alive() {
         true => (StatusCode::OK, "ok"),
