@@ -388,11 +388,7 @@ fn q6k_matches_an_f64_reference() {
 fn q6k_rows_and_builds_are_bit_identical() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(21);
     for (n, k) in [(40, 512), (23, 256)] {
-        let (q, _) = {
-            let w = randn(&mut rng, (n, k));
-            let q = QTensor::quantize(&w, GgmlDType::Q6K).unwrap();
-            (q, ())
-        };
+        let q = QTensor::quantize(&randn(&mut rng, (n, k)), GgmlDType::Q6K).unwrap();
         let q = QWeight::new(Arc::new(q)).unwrap();
         let xs = randn(&mut rng, (64, k));
         let alone: Vec<Vec<u32>> = (0..64)
@@ -412,15 +408,14 @@ fn q6k_rows_and_builds_are_bit_identical() {
     }
 }
 
-/// A `Q6_K` weight whose width is not whole super-blocks is refused with the reason, and so
-/// is an input of the wrong width.
+/// Bad `Q6_K` shapes are refused with the reason: a width that is not whole super-blocks
+/// (where candle lets such a tensor be built at all), a weight that is not 2-D, and an input
+/// of the wrong width.
 #[test]
 fn q6k_bad_shapes_are_refused() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(23);
-    // 288 = 9 blocks of 32: a Q8_0 weight reinterpreted as Q6_K bytes cannot be 2-D whole.
-    let raw = vec![0u8; 4 * 210];
     let storage = candle_core::quantized::QStorage::from_data(
-        std::borrow::Cow::Owned(raw),
+        std::borrow::Cow::Owned(vec![0u8; 3 * 210]),
         &Device::Cpu,
         GgmlDType::Q6K,
     )
@@ -429,6 +424,10 @@ fn q6k_bad_shapes_are_refused() {
         let err = QWeight::new(Arc::new(t)).unwrap_err().to_string();
         assert!(err.contains("whole number of blocks"), "{err}");
     }
+    let flat = Tensor::zeros(512, DType::F32, &Device::Cpu).unwrap();
+    let flat = QTensor::quantize(&flat, GgmlDType::Q6K).unwrap();
+    let err = QWeight::new(Arc::new(flat)).unwrap_err().to_string();
+    assert!(err.contains("not 2-D"), "{err}");
     let (q, _) = weight(&mut rng, GgmlDType::Q6K);
     let q = QWeight::new(Arc::new(q)).unwrap();
     let bad = Tensor::zeros((3, 256), DType::F32, &Device::Cpu).unwrap();
