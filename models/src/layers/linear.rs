@@ -278,7 +278,7 @@ mod tests {
     }
 
     /// `forward_many` over layers sharing an input gives each layer's own `forward`, bit for
-    /// bit: packed, k-quant, raw `Q6_K` and dense weights mixed, a bias, every SIMD path, one
+    /// bit: packed 32-element, `Q4_K`, `Q6_K` and dense weights mixed, a bias, every SIMD path, one
     /// row, a window and a window past a group of 8.
     #[test]
     fn forward_many_equals_each_forward() {

@@ -12,9 +12,9 @@
 //!  scalar   any CPU                                       portable Rust
 //! ```
 //!
-//! On `avx512` the 32-element quantized types (`qmatmul/packed.rs`) run 512-bit `vpdpbusd`
-//! with one weight row per 32-bit lane; the k-quants run the EVEX encodings on 256-bit
-//! registers. The `avxvnni` level runs the AVX2 builds of the packed kernels (bit-identical).
+//! On `avx512` every quantized type (`qmatmul/packed.rs`, `kpacked.rs`, `k6packed.rs`) runs
+//! 512-bit `vpdpbusd` with one weight row per 32-bit lane. The `avxvnni` level runs the AVX2
+//! builds of the packed kernels (bit-identical).
 //! The `amx` level is `avx512` plus tile kernels for the quantized matmuls of 8 rows or more
 //! (`qmatmul/amx.rs`): the same exact integer sums per block and the same float operations,
 //! so its bits equal `avx512`'s; Linux must grant the process the tile state

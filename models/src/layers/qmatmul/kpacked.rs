@@ -26,10 +26,10 @@
 
 use candle_core::quantized::GgmlDType;
 use half::f16;
-use rayon::prelude::*;
 
+use super::groups::{rows_per_pass, Groups, LANES};
 use super::kquant::{ActRow, QK_K};
-use super::packed::{rows_per_pass, scatter, AMX_MIN_ROWS, LANES, MAX_ROWS};
+use super::packed::AMX_MIN_ROWS;
 use crate::layers::simd::Isa;
 #[cfg(target_arch = "x86_64")]
 use crate::layers::simd::Level;
@@ -50,11 +50,7 @@ pub(super) fn supports(dtype: GgmlDType) -> bool {
 
 /// A `[n, k]` `Q4_K` weight in the packed layout (see the module docs); rows past `n` in the
 /// last group are zero.
-pub(super) struct KPacked {
-    n: usize,
-    k: usize,
-    data: Vec<u8>,
-}
+pub(super) struct KPacked(Groups);
 
 /// ggml's `get_scale_min_k4` for all 8 sub-blocks: (scales, mins).
 fn scales_mins(q: &[u8]) -> ([u8; 8], [u8; 8]) {
@@ -81,29 +77,21 @@ impl KPacked {
     /// Repacks the raw GGUF bytes `raw` of a `[n, k]` `Q4_K` weight (`k` a multiple of 256).
     pub(super) fn new(raw: &[u8], n: usize, k: usize) -> KPacked {
         let nsb = k / QK_K;
-        let mut data = vec![0u8; n.div_ceil(LANES) * nsb * BLOCK];
-        data.par_chunks_mut(nsb * BLOCK)
-            .enumerate()
-            .for_each(|(g, group)| {
-                for j in (g * LANES..(g + 1) * LANES).take_while(|&j| j < n) {
-                    let lane = j % LANES;
-                    for (s, dst) in group.chunks_exact_mut(BLOCK).enumerate() {
-                        let src = &raw[(j * nsb + s) * SRC..][..SRC];
-                        dst[2 * lane..][..2].copy_from_slice(&src[0..2]);
-                        dst[2 * LANES + 2 * lane..][..2].copy_from_slice(&src[2..4]);
-                        let (sc, mn) = scales_mins(&src[4..16]);
-                        for sub in 0..8 {
-                            dst[AT_SC + sub * LANES + lane] = sc[sub];
-                            dst[AT_M + sub * LANES + lane] = mn[sub];
-                        }
-                        for (t, &x) in src[16..].iter().enumerate() {
-                            // byte t = 4 * dword + i: dword t / 4 of [c][dword] order
-                            dst[AT_Q + (t / 4) * 4 * LANES + lane * 4 + t % 4] = x;
-                        }
-                    }
-                }
-            });
-        KPacked { n, k, data }
+        KPacked(Groups::pack(n, k, QK_K, BLOCK, |j, s, dst| {
+            let lane = j % LANES;
+            let src = &raw[(j * nsb + s) * SRC..][..SRC];
+            dst[2 * lane..][..2].copy_from_slice(&src[0..2]);
+            dst[2 * LANES + 2 * lane..][..2].copy_from_slice(&src[2..4]);
+            let (sc, mn) = scales_mins(&src[4..16]);
+            for sub in 0..8 {
+                dst[AT_SC + sub * LANES + lane] = sc[sub];
+                dst[AT_M + sub * LANES + lane] = mn[sub];
+            }
+            for (t, &x) in src[16..].iter().enumerate() {
+                // byte t = 4 * dword + i: dword t / 4 of [c][dword] order
+                dst[AT_Q + (t / 4) * 4 * LANES + lane * 4 + t % 4] = x;
+            }
+        }))
     }
 
     /// The weight made of rows `ids` (row `i` is row `ids[i]`, bit for bit: lanes are copied).
@@ -115,52 +103,32 @@ impl KPacked {
             spans.push((AT_M + sub * LANES, 1));
         }
         spans.extend((0..128 / 4).map(|c| (AT_Q + c * 4 * LANES, 4)));
-        let data = super::select_lanes(&self.data, self.k / QK_K * BLOCK, BLOCK, &spans, ids);
-        KPacked {
-            n: ids.len(),
-            k: self.k,
-            data,
-        }
+        KPacked(self.0.select(ids, &spans))
     }
 
     /// Output rows (the weight's `n`).
     pub(super) fn rows(&self) -> usize {
-        self.n
+        self.0.rows()
     }
 
     /// Input width (the weight's `k`).
     pub(super) fn cols(&self) -> usize {
-        self.k
-    }
-
-    fn group(&self, g: usize) -> &[u8] {
-        let bytes = self.k / QK_K * BLOCK;
-        &self.data[g * bytes..(g + 1) * bytes]
+        self.0.cols()
     }
 
     /// As [`super::packed::Packed::rows_task`]: `out[(j - 16 g0) * m + r] = y[r, j]`.
     pub(super) fn rows_task(&self, isa: Isa, acts: &[ActRow<'_>], g0: usize, out: &mut [f32]) {
-        let m = acts.len();
-        let rows_here = out.len() / m;
-        let chunk = rows_per_pass(isa);
-        let mut ys = [[0f32; LANES]; MAX_ROWS];
-        for (gi, out) in out.chunks_mut(LANES * m).enumerate() {
-            let group = self.group(g0 + gi);
-            let lanes = (rows_here - gi * LANES).min(LANES);
-            for (c, a) in acts.chunks(chunk).enumerate() {
-                let ys = &mut ys[..a.len()];
-                group_dot(isa, group, a, ys);
-                scatter(ys, c * chunk, m, lanes, out);
-            }
-        }
+        (self.0).rows_task(acts, rows_per_pass(isa), g0, out, |group, a, ys| {
+            group_dot(isa, group, a, ys)
+        });
     }
 
     /// Weight row `j` as f32, read back from the packed layout.
     #[cfg(test)]
     pub(super) fn dequantize_row(&self, j: usize) -> Vec<f32> {
         let lane = j % LANES;
-        let mut out = Vec::with_capacity(self.k);
-        for blk in self.group(j / LANES).chunks_exact(BLOCK) {
+        let mut out = Vec::with_capacity(self.cols());
+        for blk in self.0.blocks_of(j) {
             let (d, dmin) = (f16_at(blk, 2 * lane), f16_at(blk, 2 * LANES + 2 * lane));
             for i in 0..QK_K {
                 let sub = i / 32;

@@ -12,16 +12,16 @@
 //!   scale per 32 values); the weights are repacked at load ([`QWeight::new`]) so that one SIMD
 //!   lane holds one weight row ([`packed`]): 16 outputs per register, no horizontal sums, and
 //!   the same kernel for one decode row and for groups of up to 8 activation rows.
-//! - k-quants (`Q4_K`, `Q6_K`): activations in ggml's `q8_K` (one scale per 256 values), integer
-//!   sums across each 256-weight super-block and one float multiply-add per super-block.
-//!   `Q4_K` is repacked at load like the 32-element types ([`kpacked`]); `Q6_K` runs on the
-//!   GGUF layout ([`kquant`]), each super-block unpacked in registers once for up to 8 rows.
+//! - k-quants (`Q4_K`, `Q6_K`): activations in ggml's `q8_K` (one scale per 256 values,
+//!   [`kquant`]), integer sums across each 256-weight super-block and one float multiply-add
+//!   per super-block, repacked at load the same way ([`kpacked`], [`k6packed`]).
+//!
+//! Every layout shares the group-of-16-rows storage and task loop of [`groups`].
 //!
 //! ```text
-//!  W  [n, k] packed / raw GGUF blocks      X  [m, k] f32 -> m rows of 8-bit values + scales
+//!  W  [n, k] packed groups of 16 rows      X  [m, k] f32 -> m rows of 8-bit values + scales
 //!  rayon over tasks of ROWS_PER_TASK weight rows:
-//!    packed types: per group of 16 weight rows, per 8 activation rows: 16 x 8 outputs
-//!    Q6_K:         per group of 8 activation rows, per weight row j: y[g, j]
+//!    per group of 16 weight rows, per 8 activation rows: 16 x 8 outputs
 //!  (several weights on one input, q|k|v or gate|up: one loop over all their tasks)
 //! ```
 //!
@@ -30,6 +30,8 @@
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
+mod groups;
+mod k6packed;
 mod kpacked;
 mod kquant;
 mod packed;
@@ -43,14 +45,15 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::layers::simd::{Isa, Level};
-use packed::{Packed, LANES, QK};
+use groups::LANES;
+use packed::{Packed, QK};
 
 /// Weight rows per rayon task: enough work to amortise scheduling (a multiple of [`LANES`]).
 const ROWS_PER_TASK: usize = 2 * LANES;
 
 /// Whether [`QWeight::new`] takes weights of this type.
 pub fn supports(dtype: GgmlDType) -> bool {
-    packed::supports(dtype) || kpacked::supports(dtype) || kquant::supports(dtype)
+    packed::supports(dtype) || kpacked::supports(dtype) || k6packed::supports(dtype)
 }
 
 /// One activation row quantized to 8 bits per 32-element block.
@@ -65,8 +68,8 @@ struct ActRow<'a> {
     s: &'a [f32],
 }
 
-/// A quantized `[n, k]` weight ready for [`matmul`]: the 32-element types repacked (see
-/// [`packed`]), the k-quants as GGUF stores them.
+/// A quantized `[n, k]` weight ready for [`matmul`], repacked one row per lane (see
+/// [`packed`], [`kpacked`], [`k6packed`]).
 pub struct QWeight {
     dtype: GgmlDType,
     inner: Inner,
@@ -75,7 +78,7 @@ pub struct QWeight {
 enum Inner {
     Packed(Packed),
     KPacked(kpacked::KPacked),
-    Raw(Arc<QTensor>),
+    K6Packed(k6packed::K6Packed),
 }
 
 impl fmt::Debug for QWeight {
@@ -86,7 +89,7 @@ impl fmt::Debug for QWeight {
 }
 
 impl QWeight {
-    /// Takes a 2-D CPU weight of a type [`supports`] accepts (repacking the 32-element types).
+    /// Takes a 2-D CPU weight of a type [`supports`] accepts, repacked.
     ///
     /// # Errors
     /// If `w` is not 2-D, not on the CPU, of an unsupported type, or its width is not a whole
@@ -110,7 +113,7 @@ impl QWeight {
         let inner = match dtype {
             t if packed::supports(t) => Inner::Packed(Packed::new(dtype, &w.data()?, n, k)),
             t if kpacked::supports(t) => Inner::KPacked(kpacked::KPacked::new(&w.data()?, n, k)),
-            _ => Inner::Raw(w),
+            _ => Inner::K6Packed(k6packed::K6Packed::new(&w.data()?, n, k)),
         };
         Ok(QWeight { dtype, inner })
     }
@@ -120,7 +123,7 @@ impl QWeight {
         match &self.inner {
             Inner::Packed(p) => (p.rows(), p.cols()),
             Inner::KPacked(p) => (p.rows(), p.cols()),
-            Inner::Raw(w) => w.shape().dims2().expect("invariant: checked 2-D in new"),
+            Inner::K6Packed(p) => (p.rows(), p.cols()),
         }
     }
 
@@ -135,7 +138,7 @@ impl QWeight {
     /// # Errors
     /// If an id is past the weight's rows.
     pub fn select_rows(&self, ids: &[u32]) -> Result<QWeight> {
-        let (n, k) = self.shape();
+        let n = self.shape().0;
         let ids: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
         if let Some(&bad) = ids.iter().find(|&&i| i >= n) {
             return Err(Error::InvalidRequest {
@@ -146,50 +149,13 @@ impl QWeight {
         let inner = match &self.inner {
             Inner::Packed(p) => Inner::Packed(p.select_rows(&ids)),
             Inner::KPacked(p) => Inner::KPacked(p.select_rows(&ids)),
-            Inner::Raw(w) => {
-                let row_bytes = k / self.dtype.block_size() * self.dtype.type_size();
-                let data = w.data()?;
-                let mut out = Vec::with_capacity(ids.len() * row_bytes);
-                for &id in &ids {
-                    out.extend_from_slice(&data[id * row_bytes..][..row_bytes]);
-                }
-                let storage = candle_core::quantized::QStorage::from_data(
-                    out.into(),
-                    &Device::Cpu,
-                    self.dtype,
-                )?;
-                Inner::Raw(Arc::new(QTensor::new(storage, (ids.len(), k))?))
-            }
+            Inner::K6Packed(p) => Inner::K6Packed(p.select_rows(&ids)),
         };
         Ok(QWeight {
             dtype: self.dtype,
             inner,
         })
     }
-}
-
-/// Copies lane `ids[i] % 16` of group `ids[i] / 16` into lane `i % 16` of group `i / 16` of a
-/// new packed buffer: `group_bytes` per group, `block_bytes` per block in a group, and in each
-/// block the lane's bytes at `base + lane * len` for every `(base, len)` of `spans`.
-fn select_lanes(
-    data: &[u8],
-    group_bytes: usize,
-    block_bytes: usize,
-    spans: &[(usize, usize)],
-    ids: &[usize],
-) -> Vec<u8> {
-    let mut out = vec![0u8; ids.len().div_ceil(LANES) * group_bytes];
-    for (i, &j) in ids.iter().enumerate() {
-        let (src, dst) = (j / LANES * group_bytes, i / LANES * group_bytes);
-        for b in (0..group_bytes).step_by(block_bytes) {
-            for &(base, len) in spans {
-                let from = src + b + base + (j % LANES) * len;
-                let to = dst + b + base + (i % LANES) * len;
-                out[to..to + len].copy_from_slice(&data[from..from + len]);
-            }
-        }
-    }
-    out
 }
 
 /// Elements per stored block of `dtype` (32, or 256 for the k-quants).
@@ -346,12 +312,6 @@ pub fn matmul_many(isa: Isa, ws: &[&QWeight], xs: &Tensor) -> Result<Vec<Tensor>
         let ak = (!ws.iter().all(packed)).then(|| kquant::Acts::quantize(isa, &xs, k));
         let r32 = a32.as_ref().map(Acts::rows).unwrap_or_default();
         let rk = ak.as_ref().map(kquant::Acts::rows).unwrap_or_default();
-        let raw: Vec<Option<std::borrow::Cow<'_, [u8]>>> = (ws.iter())
-            .map(|w| match &w.inner {
-                Inner::Raw(t) => t.data().map(Some),
-                _ => Ok(None),
-            })
-            .collect::<std::result::Result<_, _>>()?;
         let mut tasks = Vec::new();
         for (i, out) in outs.iter_mut().enumerate() {
             tasks.extend(
@@ -362,14 +322,10 @@ pub fn matmul_many(isa: Isa, ws: &[&QWeight], xs: &Tensor) -> Result<Vec<Tensor>
         }
         tasks.into_par_iter().for_each(|(i, t, out)| {
             let g0 = t * ROWS_PER_TASK / LANES;
-            match (&ws[i].inner, &raw[i]) {
-                (Inner::Packed(p), _) => p.rows_task(isa, &r32, g0, out),
-                (Inner::KPacked(p), _) => p.rows_task(isa, &rk, g0, out),
-                (Inner::Raw(_), Some(data)) => {
-                    let row_bytes = k / block_elems(ws[i].dtype) * ws[i].dtype.type_size();
-                    k_rows_task(isa, data, row_bytes, &rk, t * ROWS_PER_TASK, out);
-                }
-                (Inner::Raw(_), None) => unreachable!("raw weights have their data"),
+            match &ws[i].inner {
+                Inner::Packed(p) => p.rows_task(isa, &r32, g0, out),
+                Inner::KPacked(p) => p.rows_task(isa, &rk, g0, out),
+                Inner::K6Packed(p) => p.rows_task(isa, &rk, g0, out),
             }
         });
     }
@@ -403,28 +359,6 @@ fn transpose(out_t: &[f32], n: usize, m: usize) -> Vec<f32> {
             }
         });
     ys
-}
-
-/// `Q6_K` ([`kquant`]), weight rows `j0..` that `out` covers: `out[(j - j0) * m + r] = y[r, j]`.
-fn k_rows_task(
-    isa: Isa,
-    weights: &[u8],
-    row_bytes: usize,
-    rows: &[kquant::ActRow<'_>],
-    j0: usize,
-    out: &mut [f32],
-) {
-    let m = rows.len();
-    // Activation groups outside, weight rows inside: a group's activations stay in L1 across
-    // the task's weight rows, and those rows stay in L1 across the groups.
-    for (g, a) in rows.chunks(kquant::GROUP).enumerate() {
-        for (jj, ys) in out.chunks_exact_mut(m).enumerate() {
-            let j = j0 + jj;
-            let w = &weights[j * row_bytes..(j + 1) * row_bytes];
-            let ys = &mut ys[g * kquant::GROUP..][..a.len()];
-            kquant::dot_rows(isa, w, a, ys);
-        }
-    }
 }
 
 #[cfg(test)]

@@ -29,25 +29,15 @@
 
 use candle_core::quantized::GgmlDType;
 use half::f16;
-use rayon::prelude::*;
 
+use super::groups::{rows_per_pass, Groups, LANES};
 use super::ActRow;
 use crate::layers::simd::Isa;
 #[cfg(target_arch = "x86_64")]
 use crate::layers::simd::Level;
 
-/// Weight rows per group: one 512-bit register of 32-bit lanes.
-pub(super) const LANES: usize = 16;
-
 /// Elements per block.
 pub(super) const QK: usize = 32;
-
-/// Activation rows per pass over a group's weights: each unpacked weight vector serves up to 8
-/// rows (a verify window of 8 reads the weights once).
-const ROWS: usize = 8;
-
-/// Most activation rows per pass on any path (the `amx` tile kernels' rows).
-pub(super) const MAX_ROWS: usize = 16;
 
 /// Fewest activation rows of a pass that the `amx` path runs on tiles: below it the tile setup
 /// and the C tile's round trip through memory cost more than the VNNI kernels (CPU time on
@@ -137,9 +127,7 @@ pub(super) struct Packed {
     format: Format,
     /// `format`'s index in [`FORMATS`].
     kind: usize,
-    n: usize,
-    k: usize,
-    data: Vec<u8>,
+    groups: Groups,
 }
 
 /// Writes lane `lane` of the packed block `dst` from the GGUF block `src`.
@@ -186,25 +174,14 @@ impl Packed {
         let format = Format::of(dtype);
         let nb = k / QK;
         let src_bytes = dtype.type_size();
-        let groups = n.div_ceil(LANES);
-        let bb = format.block_bytes();
-        let mut data = vec![0u8; groups * nb * bb];
-        data.par_chunks_mut(nb * bb)
-            .enumerate()
-            .for_each(|(g, group)| {
-                for j in (g * LANES..(g + 1) * LANES).take_while(|&j| j < n) {
-                    for (b, dst) in group.chunks_exact_mut(bb).enumerate() {
-                        let src = &raw[(j * nb + b) * src_bytes..][..src_bytes];
-                        pack_block(dtype, format, src, j % LANES, dst);
-                    }
-                }
-            });
+        let groups = Groups::pack(n, k, QK, format.block_bytes(), |j, b, dst| {
+            let src = &raw[(j * nb + b) * src_bytes..][..src_bytes];
+            pack_block(dtype, format, src, j % LANES, dst);
+        });
         Packed {
             format,
             kind: Format::kind(dtype),
-            n,
-            k,
-            data,
+            groups,
         }
     }
 
@@ -217,39 +194,30 @@ impl Packed {
             spans.push((2 * LANES, 2));
         }
         spans.extend((0..f.chunks()).map(|c| (f.data_at() + c * 4 * LANES, 4)));
-        let data = super::select_lanes(
-            &self.data,
-            self.k / QK * f.block_bytes(),
-            f.block_bytes(),
-            &spans,
-            ids,
-        );
         Packed {
             format: f,
             kind: self.kind,
-            n: ids.len(),
-            k: self.k,
-            data,
+            groups: self.groups.select(ids, &spans),
         }
     }
 
     /// Output rows (the weight's `n`).
     pub(super) fn rows(&self) -> usize {
-        self.n
+        self.groups.rows()
     }
 
     /// Input width (the weight's `k`).
     pub(super) fn cols(&self) -> usize {
-        self.k
+        self.groups.cols()
     }
 
     /// Weight row `j` as f32 (`d * q + min`), read back from the packed layout.
     #[cfg(test)]
     pub(super) fn dequantize_row(&self, j: usize) -> Vec<f32> {
         let f = self.format;
-        let (g, lane) = (j / LANES, j % LANES);
-        let mut out = Vec::with_capacity(self.k);
-        for blk in self.group(g).chunks_exact(f.block_bytes()) {
+        let lane = j % LANES;
+        let mut out = Vec::with_capacity(self.cols());
+        for blk in self.groups.blocks_of(j) {
             let d = f16_at(blk, 2 * lane).to_f32();
             let min = match f.stored_min {
                 true => f16_at(blk, 2 * LANES + 2 * lane).to_f32(),
@@ -260,54 +228,14 @@ impl Packed {
         out
     }
 
-    /// The packed bytes of group `g`.
-    fn group(&self, g: usize) -> &[u8] {
-        let bytes = self.k / QK * self.format.block_bytes();
-        &self.data[g * bytes..(g + 1) * bytes]
-    }
-
     /// `out[(j - 16 g0) * m + r] = y[r, j]` for the weight rows of groups `g0..` that `out`
-    /// covers (`out.len()` a multiple of `m`; rows past `n` are not written), against the
-    /// activation rows `acts`.
+    /// covers (see [`Groups::rows_task`]), against the activation rows `acts`.
     pub(super) fn rows_task(&self, isa: Isa, acts: &[ActRow<'_>], g0: usize, out: &mut [f32]) {
-        let m = acts.len();
-        let rows_here = out.len() / m;
-        let chunk = rows_per_pass(isa);
-        let mut ys = [[0f32; LANES]; MAX_ROWS];
-        for (gi, out) in out.chunks_mut(LANES * m).enumerate() {
-            let group = self.group(g0 + gi);
-            let lanes = (rows_here - gi * LANES).min(LANES);
-            for (c, a) in acts.chunks(chunk).enumerate() {
-                let ys = &mut ys[..a.len()];
-                group_dot(isa, self.format, self.kind, group, a, ys);
-                scatter(ys, c * chunk, m, lanes, out);
-            }
-        }
-    }
-}
-
-/// Activation rows per pass over a group's weights on the path `isa`: [`MAX_ROWS`] for the
-/// `amx` tile kernels, else [`ROWS`].
-pub(super) fn rows_per_pass(isa: Isa) -> usize {
-    #[cfg(target_arch = "x86_64")]
-    if isa.level() == Level::Amx {
-        return MAX_ROWS;
-    }
-    let _ = isa;
-    ROWS
-}
-
-/// `out[j * m + r0 + r] = ys[r][j]` for the first `lanes` lanes (one decode row: a copy).
-#[inline(always)]
-pub(super) fn scatter(ys: &[[f32; LANES]], r0: usize, m: usize, lanes: usize, out: &mut [f32]) {
-    if m == 1 {
-        out[..lanes].copy_from_slice(&ys[0][..lanes]);
-        return;
-    }
-    for (r, y) in ys.iter().enumerate() {
-        for (j, &v) in y[..lanes].iter().enumerate() {
-            out[j * m + r0 + r] = v;
-        }
+        let (f, kind) = (self.format, self.kind);
+        self.groups
+            .rows_task(acts, rows_per_pass(isa), g0, out, |group, a, ys| {
+                group_dot(isa, f, kind, group, a, ys)
+            });
     }
 }
 
@@ -435,13 +363,14 @@ fn scalar(f: Format, group: &[u8], a: ActRow<'_>) -> [f32; LANES] {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::amx;
+    use super::super::groups::{MAX_ROWS, ROWS};
     use super::{ActRow, FORMATS, LANES, QK};
     use std::arch::x86_64::*;
 
     /// Bytes of the weight stream requested ahead of the block being read.
     const PREFETCH: usize = 1024;
 
-    const _: () = assert!(amx::ROWS <= super::MAX_ROWS && super::ROWS <= super::MAX_ROWS);
+    const _: () = assert!(amx::ROWS <= MAX_ROWS && ROWS <= MAX_ROWS);
 
     /// The dword of activation bytes `4c..4c+4` of block `b`.
     #[inline(always)]

@@ -80,20 +80,33 @@ fn packing_keeps_every_weight() {
     }
 }
 
-/// The packed `Q4_K` layout holds exactly candle's dequantization of the same bytes.
+/// The packed `Q4_K` and `Q6_K` layouts hold exactly candle's dequantization of the same
+/// bytes.
 #[test]
 fn k_packing_keeps_every_weight() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(2);
-    let (q, dense) = weight(&mut rng, GgmlDType::Q4K);
-    let (n, k) = dense.dims2().unwrap();
-    let dense: Vec<f32> = dense.flatten_all().unwrap().to_vec1().unwrap();
-    let p = kpacked::KPacked::new(&q.data().unwrap(), n, k);
-    for j in 0..n {
-        for (i, (&o, &t)) in p.dequantize_row(j).iter().zip(&dense[j * k..]).enumerate() {
-            assert!(
-                (o - t).abs() <= 1e-5 * t.abs().max(1.0),
-                "row {j} elem {i}: {o} vs {t}"
-            );
+    for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
+        let (q, dense) = weight(&mut rng, dtype);
+        let (n, k) = dense.dims2().unwrap();
+        let dense: Vec<f32> = dense.flatten_all().unwrap().to_vec1().unwrap();
+        let raw = q.data().unwrap();
+        let rows: Vec<Vec<f32>> = match dtype {
+            GgmlDType::Q4K => {
+                let p = kpacked::KPacked::new(&raw, n, k);
+                (0..n).map(|j| p.dequantize_row(j)).collect()
+            }
+            _ => {
+                let p = k6packed::K6Packed::new(&raw, n, k);
+                (0..n).map(|j| p.dequantize_row(j)).collect()
+            }
+        };
+        for (j, row) in rows.iter().enumerate() {
+            for (i, (&o, &t)) in row.iter().zip(&dense[j * k..]).enumerate() {
+                assert!(
+                    (o - t).abs() <= 1e-5 * t.abs().max(1.0),
+                    "{dtype:?} row {j} elem {i}: {o} vs {t}"
+                );
+            }
         }
     }
 }
@@ -161,7 +174,8 @@ fn packed_builds_agree_exactly() {
     let shapes = PACKED_TYPES
         .into_iter()
         .flat_map(|t| [(t, 512), (t, 544)])
-        .chain([(GgmlDType::Q4K, 512), (GgmlDType::Q4K, 768)]);
+        .chain([(GgmlDType::Q4K, 512), (GgmlDType::Q4K, 768)])
+        .chain([(GgmlDType::Q6K, 256), (GgmlDType::Q6K, 768)]);
     for (dtype, k) in shapes {
         let (q, _) = weight_of(&mut rng, dtype, k);
         let q = QWeight::new(Arc::new(q)).unwrap();
@@ -234,46 +248,6 @@ fn rejects_bad_inputs() {
     assert!(err.contains("unsupported block type"), "{err}");
 }
 
-/// The `Q6_K` kernels: every SIMD build gives the same bits (exact integer sums, one float
-/// order), in a group of rows or alone, and the scalar build agrees up to FMA rounding.
-#[test]
-fn k_quant_builds_agree() {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(15);
-    {
-        let dtype = GgmlDType::Q6K;
-        let (q, _) = weight(&mut rng, dtype);
-        let q = QWeight::new(Arc::new(q)).unwrap();
-        let xs = randn(&mut rng, (kquant::GROUP + 1, 512));
-        let bits = |isa: Isa| -> Vec<u32> {
-            let y = matmul(isa, &q, &xs).unwrap();
-            let y: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
-            y.into_iter().map(f32::to_bits).collect()
-        };
-        let scalar: Vec<f32> = bits(Isa::SCALAR).into_iter().map(f32::from_bits).collect();
-        let simd: Vec<Isa> = Isa::available()
-            .into_iter()
-            .filter(|&i| i != Isa::SCALAR)
-            .collect();
-        let Some(&first) = simd.first() else {
-            eprintln!("no AVX2 on this CPU: only the portable build runs here");
-            return;
-        };
-        let want = bits(first);
-        for &isa in &simd {
-            assert_eq!(bits(isa), want, "{dtype:?} {isa} vs {first}");
-        }
-        // Q4_K's two terms (scales, mins) nearly cancel: compare against the outputs' size.
-        let size = scalar.iter().fold(1f32, |a, v| a.max(v.abs()));
-        for (i, (&s, &v)) in scalar.iter().zip(&want).enumerate() {
-            let v = f32::from_bits(v);
-            assert!(
-                (s - v).abs() <= 1e-5 * size,
-                "{dtype:?} output {i}: scalar {s} vs {first} {v}"
-            );
-        }
-    }
-}
-
 /// A weight restricted to some rows gives exactly those columns of the full product, for every
 /// type and path (a draft vocabulary's lm_head); an id past the rows is refused.
 #[test]
@@ -340,7 +314,7 @@ fn raw_weight(dtype: GgmlDType, n: usize, k: usize, q: impl Fn(usize, usize) -> 
 
 /// Weights at their largest magnitudes against activations all at +127 or all at -127: the
 /// 16-bit partial sums of the AVX2 kernels neither saturate nor wrap, so every build gives the
-/// portable build's bits (its integer sums are plain i32), for `Q6_K` up to FMA rounding.
+/// portable build's bits (its integer sums are plain i32).
 #[test]
 fn extreme_blocks_do_not_overflow() {
     let (n, k) = (32, 512);
@@ -361,20 +335,104 @@ fn extreme_blocks_do_not_overflow() {
         let q = QWeight::new(Arc::new(raw_weight(dtype, n, k, q))).unwrap();
         let scalar = bits(Isa::SCALAR, &q, &xs);
         for isa in Isa::available() {
-            let got = bits(isa, &q, &xs);
-            if dtype != GgmlDType::Q6K {
-                assert_eq!(got, scalar, "{dtype:?} {isa} vs scalar");
-                continue;
-            }
-            for (r, (g, s)) in got.iter().zip(&scalar).enumerate() {
-                for (j, (&g, &s)) in g.iter().zip(s).enumerate() {
-                    let (g, s) = (f32::from_bits(g), f32::from_bits(s));
+            assert_eq!(bits(isa, &q, &xs), scalar, "{dtype:?} {isa} vs scalar");
+        }
+    }
+}
+
+/// `Q6_K` against an f64 product of candle's dequantized weight and the exactly quantized
+/// activations: only the f32 rounding of the per-super-block accumulation separates them, on
+/// every path; odd shapes (n not a multiple of 16, one super-block) included.
+#[test]
+fn q6k_matches_an_f64_reference() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(19);
+    for (n, k) in [(40, 512), (7, 256), (33, 1280)] {
+        let w = randn(&mut rng, (n, k));
+        let q = QTensor::quantize(&w, GgmlDType::Q6K).unwrap();
+        let dense: Vec<f32> = (q.dequantize(&Device::Cpu).unwrap().flatten_all())
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let q = QWeight::new(Arc::new(q)).unwrap();
+        let m = 5;
+        let xs = randn(&mut rng, (m, k));
+        let flat: Vec<f32> = xs.flatten_all().unwrap().to_vec1().unwrap();
+        let acts = kquant::Acts::quantize(Isa::SCALAR, &flat, k);
+        let rows = acts.rows();
+        for isa in Isa::available() {
+            let ys: Vec<Vec<f32>> = matmul(isa, &q, &xs).unwrap().to_vec2().unwrap();
+            for (r, a) in rows.iter().enumerate() {
+                for j in 0..n {
+                    let want: f64 = (0..k)
+                        .map(|i| dense[j * k + i] as f64 * a.q[i] as f64 * a.d[i / 256] as f64)
+                        .sum();
+                    let size: f64 = (0..k)
+                        .map(|i| {
+                            (dense[j * k + i] as f64 * a.q[i] as f64 * a.d[i / 256] as f64).abs()
+                        })
+                        .sum();
+                    let got = ys[r][j] as f64;
                     assert!(
-                        (g - s).abs() <= 1e-5 * s.abs().max(1.0),
-                        "{dtype:?} {isa} row {r} output {j}: {g} vs scalar {s}"
+                        (got - want).abs() <= 1e-5 * size.max(1e-3),
+                        "{isa} [{n}, {k}] row {r} out {j}: {got} vs {want}"
                     );
                 }
             }
         }
+    }
+}
+
+/// `Q6_K`: each row of an m-row call is bit-identical to the row alone, and every path to the
+/// portable build, at the row counts of decode, verify and prefill chunks.
+#[test]
+fn q6k_rows_and_builds_are_bit_identical() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+    for (n, k) in [(40, 512), (23, 256)] {
+        let q = QTensor::quantize(&randn(&mut rng, (n, k)), GgmlDType::Q6K).unwrap();
+        let q = QWeight::new(Arc::new(q)).unwrap();
+        let xs = randn(&mut rng, (64, k));
+        let alone: Vec<Vec<u32>> = (0..64)
+            .map(|r| bits(Isa::SCALAR, &q, &xs.narrow(0, r, 1).unwrap()).remove(0))
+            .collect();
+        for isa in Isa::available() {
+            for m in [1, 2, 3, 7, 8, 9, 16, 17, 64] {
+                let ys = bits(isa, &q, &xs.narrow(0, 0, m).unwrap());
+                for (r, y) in ys.iter().enumerate() {
+                    assert_eq!(
+                        *y, alone[r],
+                        "{isa} [{n}, {k}] row {r} of {m} vs scalar alone"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Bad `Q6_K` shapes are refused with the reason: a width that is not whole super-blocks
+/// (where candle lets such a tensor be built at all), a weight that is not 2-D, and an input
+/// of the wrong width.
+#[test]
+fn q6k_bad_shapes_are_refused() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(23);
+    let storage = candle_core::quantized::QStorage::from_data(
+        std::borrow::Cow::Owned(vec![0u8; 3 * 210]),
+        &Device::Cpu,
+        GgmlDType::Q6K,
+    )
+    .unwrap();
+    if let Ok(t) = QTensor::new(storage, (2, 384)) {
+        let err = QWeight::new(Arc::new(t)).unwrap_err().to_string();
+        assert!(err.contains("whole number of blocks"), "{err}");
+    }
+    let flat = Tensor::zeros(512, DType::F32, &Device::Cpu).unwrap();
+    let flat = QTensor::quantize(&flat, GgmlDType::Q6K).unwrap();
+    let err = QWeight::new(Arc::new(flat)).unwrap_err().to_string();
+    assert!(err.contains("not 2-D"), "{err}");
+    let (q, _) = weight(&mut rng, GgmlDType::Q6K);
+    let q = QWeight::new(Arc::new(q)).unwrap();
+    let bad = Tensor::zeros((3, 256), DType::F32, &Device::Cpu).unwrap();
+    for isa in Isa::available() {
+        let err = matmul(isa, &q, &bad).unwrap_err().to_string();
+        assert!(err.contains("with input"), "{err}");
     }
 }
