@@ -160,6 +160,35 @@ pub struct DFlash {
     /// Capabilities known before the target (a `--weights` config), for the Hello.
     early_caps: Option<Capabilities>,
     sessions: HashMap<SessionId, Session>,
+    /// Phase times (`DFLASH_PROFILE=1`), logged to stderr every 100 drafting rounds.
+    profile: Option<Profile>,
+}
+
+/// Accumulated phase times of the drafting rounds, in µs.
+#[derive(Debug, Default)]
+struct Profile {
+    rounds: u64,
+    /// Embedding the blocks and the backbone forward (on a device: issuing its ops).
+    forward: f64,
+    /// The heads and the read-back of the drafts (on a device: waits for the forward).
+    block: f64,
+    extends: u64,
+    /// Appending committed rows to the context (taps to features, upload, K/V).
+    extend: f64,
+}
+
+impl Profile {
+    fn log(&self) {
+        let per = |t: f64, n: u64| t / n.max(1) as f64;
+        eprintln!(
+            "dflash profile: {} rounds: forward {:.0} us, heads+read-back {:.0} us; {} extends: {:.0} us each",
+            self.rounds,
+            per(self.forward, self.rounds),
+            per(self.block, self.rounds),
+            self.extends,
+            per(self.extend, self.extends)
+        );
+    }
 }
 
 impl DFlash {
@@ -184,6 +213,7 @@ impl DFlash {
             loaded: None,
             early_caps,
             sessions: HashMap::new(),
+            profile: std::env::var_os("DFLASH_PROFILE").map(|_| Profile::default()),
         })
     }
 
@@ -288,6 +318,7 @@ impl DFlash {
                 s.extend_untapped(ask.new_tokens);
             }
         }
+        let t0 = std::time::Instant::now();
         let scale = m.config.input_embedding_scale;
         let mut inputs = Vec::new();
         let mut which = Vec::new();
@@ -321,6 +352,7 @@ impl DFlash {
             }
         };
         drop(inputs);
+        let t1 = std::time::Instant::now();
         for ask in asks {
             if let Some(s) = self.sessions.get_mut(&ask.session) {
                 // One skipped round per hole: later windows land on a context that has them.
@@ -328,6 +360,7 @@ impl DFlash {
             }
         }
         let mut out: Vec<Option<Block>> = asks.iter().map(|_| None).collect();
+        let hidden_empty = hidden.is_empty();
         for (h, i) in hidden.into_iter().zip(which) {
             let ask = &asks[i];
             let s = self
@@ -339,6 +372,14 @@ impl DFlash {
             s.features.clone_from(&block.features);
             debug!(session = ask.session, pos = s.pos, tokens = ?block.tokens, confidence = ?block.confidence, "draft");
             out[i] = Some(block);
+        }
+        if let (Some(p), false) = (&mut self.profile, hidden_empty) {
+            p.rounds += 1;
+            p.forward += (t1 - t0).as_secs_f64() * 1e6;
+            p.block += t1.elapsed().as_secs_f64() * 1e6;
+            if p.rounds % 100 == 0 {
+                p.log();
+            }
         }
         Ok(out)
     }
@@ -359,6 +400,7 @@ impl DFlash {
         if rows == 0 {
             return;
         }
+        let t0 = std::time::Instant::now();
         let features = match taps {
             None => Err("no taps".to_string()),
             Some(t) if t.pos as usize != pos => {
@@ -373,6 +415,10 @@ impl DFlash {
             }
             .map_err(|e| e.to_string())
         });
+        if let Some(p) = &mut self.profile {
+            p.extends += 1;
+            p.extend += t0.elapsed().as_secs_f64() * 1e6;
+        }
         if let Err(reason) = result {
             warn!(
                 session,
