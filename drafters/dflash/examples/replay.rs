@@ -132,6 +132,7 @@ fn main() -> Result<()> {
         confidence_threshold: 0.0,
         linear_dtype: LinearDType::Stored,
         draft_vocab: VocabChoice::Full,
+        device: dflash::DeviceChoice::Host,
     };
     let mut d = DFlash::new(WeightsSource::Path(weights), options)?;
     d.accept_target(&target).map_err(anyhow::Error::msg)?;

@@ -16,7 +16,7 @@ use candle_core::{Device, Tensor};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use specula_models::drafter_support::{value_digest, TargetParts};
-use specula_models::layers::{Embedding, Linear};
+use specula_models::layers::{Embedding, Linear, Rope, RopeStyle};
 use specula_protocol::sdk::{
     AdvanceArgs, Advanced, CommitArgs, DraftAsk, Drafter, DrafterInfo, OpenArgs, Proposal, Taps,
 };
@@ -25,6 +25,7 @@ use tracing::{debug, info, warn};
 
 use crate::calibration::{probability_of, Calibration};
 use crate::config::{DraftConfig, Kind};
+use crate::device::{self, DeviceBackbone, DeviceChoice, DeviceContext};
 use crate::heads::Heads;
 use crate::model::{argmax_rows, Backbone, BlockAsk, Context};
 use crate::sampling::{probs, sample};
@@ -63,6 +64,8 @@ pub struct Options {
     pub linear_dtype: LinearDType,
     /// The ids drafts are computed over (`--draft-vocab`; [`crate::vocab`]).
     pub draft_vocab: VocabChoice,
+    /// Where the forward runs (`--device`; [`crate::device`]).
+    pub device: DeviceChoice,
 }
 
 impl Default for Options {
@@ -72,6 +75,7 @@ impl Default for Options {
             confidence_threshold: 0.0,
             linear_dtype: LinearDType::Stored,
             draft_vocab: VocabChoice::Full,
+            device: DeviceChoice::Host,
         }
     }
 }
@@ -100,11 +104,16 @@ struct Loaded {
     caps: Capabilities,
     max_pos: usize,
     threshold: f32,
+    /// The device path's backbone (`--device` other than cpu): then `io.lm_head` and `heads`
+    /// live on that device too.
+    dev: Option<DeviceBackbone>,
 }
 
 /// One session's state.
 struct Session {
     context: Context,
+    /// The context on the device (the device path; `context` stays empty).
+    dev: Option<DeviceContext>,
     /// The pending id: the next block's anchor.
     anchor: u32,
     /// Its absolute position.
@@ -151,6 +160,35 @@ pub struct DFlash {
     /// Capabilities known before the target (a `--weights` config), for the Hello.
     early_caps: Option<Capabilities>,
     sessions: HashMap<SessionId, Session>,
+    /// Phase times (`DFLASH_PROFILE=1`), logged to stderr every 100 drafting rounds.
+    profile: Option<Profile>,
+}
+
+/// Accumulated phase times of the drafting rounds, in µs.
+#[derive(Debug, Default)]
+struct Profile {
+    rounds: u64,
+    /// Embedding the blocks and the backbone forward (on a device: issuing its ops).
+    forward: f64,
+    /// The heads and the read-back of the drafts (on a device: waits for the forward).
+    block: f64,
+    extends: u64,
+    /// Appending committed rows to the context (taps to features, upload, K/V).
+    extend: f64,
+}
+
+impl Profile {
+    fn log(&self) {
+        let per = |t: f64, n: u64| t / n.max(1) as f64;
+        eprintln!(
+            "dflash profile: {} rounds: forward {:.0} us, heads+read-back {:.0} us; {} extends: {:.0} us each",
+            self.rounds,
+            per(self.forward, self.rounds),
+            per(self.block, self.rounds),
+            self.extends,
+            per(self.extend, self.extends)
+        );
+    }
 }
 
 impl DFlash {
@@ -175,6 +213,7 @@ impl DFlash {
             loaded: None,
             early_caps,
             sessions: HashMap::new(),
+            profile: std::env::var_os("DFLASH_PROFILE").map(|_| Profile::default()),
         })
     }
 
@@ -186,10 +225,17 @@ impl DFlash {
         let dir = self.source.resolve(target)?;
         let config = DraftConfig::from_file(&dir.join("config.json"))?;
         check_target(&config, target)?;
-        let tensors = Tensors::read(&dir.join("model.safetensors"), &self.device)?
-            .with_linears(self.options.linear_dtype);
+        let device = self.options.device.open()?;
+        // The device path reads f32 projections (the checkpoint's values) and moves them.
+        let linears = match device {
+            Some(_) => LinearDType::F32,
+            None => self.options.linear_dtype,
+        };
+        let tensors =
+            Tensors::read(&dir.join("model.safetensors"), &self.device)?.with_linears(linears);
         let parts = TargetParts::open(target.weights_path.as_ref(), &self.device)
             .map_err(|e| Error::Target(format!("cannot read the target's weights: {e}")))?;
+        let tied = parts.config.tie_word_embeddings;
         let block = block_size(&config, &self.options)?;
         let (sources, caps) = plan(&config, target.num_layers as usize, block);
         let max_pos = target.context_len as usize + block + 1;
@@ -205,7 +251,7 @@ impl DFlash {
             )?),
             None => None,
         };
-        let io = io_parts(&config, &tensors, parts, d2t)?;
+        let mut io = io_parts(&config, &tensors, parts, d2t)?;
         let mask_row = match config.mask_token_id {
             Some(id) => io
                 .embedding
@@ -218,6 +264,22 @@ impl DFlash {
         };
         let masks = (mask_row.repeat((block - 1, 1)).map_err(err)? * config.input_embedding_scale)
             .map_err(err)?;
+        let (dev, heads) = match &device {
+            None => (None, heads),
+            Some(d) => {
+                let rope = Rope::new(
+                    config.head_dim,
+                    max_pos,
+                    config.rope_theta,
+                    RopeStyle::HalfSplit,
+                )
+                .map_err(err)?;
+                let dev = DeviceBackbone::load(&config, &tensors, &rope, max_pos, d)?;
+                io.lm_head = Linear::dense(device_head(&io, tied, d)?, None).map_err(err)?;
+                let heads = heads.map(|h| h.to_device(d)).transpose()?;
+                (Some(dev), heads)
+            }
+        };
         info!(
             kind = ?config.kind,
             weights = %dir.display(),
@@ -237,6 +299,7 @@ impl DFlash {
             caps,
             max_pos,
             threshold: self.options.confidence_threshold,
+            dev,
         });
         Ok(())
     }
@@ -255,6 +318,7 @@ impl DFlash {
                 s.extend_untapped(ask.new_tokens);
             }
         }
+        let t0 = std::time::Instant::now();
         let scale = m.config.input_embedding_scale;
         let mut inputs = Vec::new();
         let mut which = Vec::new();
@@ -262,7 +326,7 @@ impl DFlash {
             let Some(s) = self.sessions.get(&ask.session) else {
                 continue;
             };
-            if ask.n == 0 || s.pos + m.block > m.max_pos || s.context.rows() == 0 || s.resync {
+            if ask.n == 0 || s.pos + m.block > m.max_pos || s.rows() == 0 || s.resync {
                 continue;
             }
             let anchor =
@@ -275,8 +339,20 @@ impl DFlash {
             });
             which.push(i);
         }
-        let hidden = m.backbone.forward(&inputs)?;
+        let hidden = match &m.dev {
+            None => m.backbone.forward(&inputs)?,
+            Some(dev) => {
+                let mut hidden = Vec::with_capacity(inputs.len());
+                for (input, &i) in inputs.iter().zip(&which) {
+                    let s = &self.sessions[&asks[i].session];
+                    let ctx = s.dev.as_ref().expect("invariant: device sessions have one");
+                    hidden.push(dev.forward(ctx, &input.embeddings, input.pos)?);
+                }
+                hidden
+            }
+        };
         drop(inputs);
+        let t1 = std::time::Instant::now();
         for ask in asks {
             if let Some(s) = self.sessions.get_mut(&ask.session) {
                 // One skipped round per hole: later windows land on a context that has them.
@@ -284,6 +360,7 @@ impl DFlash {
             }
         }
         let mut out: Vec<Option<Block>> = asks.iter().map(|_| None).collect();
+        let hidden_empty = hidden.is_empty();
         for (h, i) in hidden.into_iter().zip(which) {
             let ask = &asks[i];
             let s = self
@@ -295,6 +372,14 @@ impl DFlash {
             s.features.clone_from(&block.features);
             debug!(session = ask.session, pos = s.pos, tokens = ?block.tokens, confidence = ?block.confidence, "draft");
             out[i] = Some(block);
+        }
+        if let (Some(p), false) = (&mut self.profile, hidden_empty) {
+            p.rounds += 1;
+            p.forward += (t1 - t0).as_secs_f64() * 1e6;
+            p.block += t1.elapsed().as_secs_f64() * 1e6;
+            if p.rounds % 100 == 0 {
+                p.log();
+            }
         }
         Ok(out)
     }
@@ -315,6 +400,7 @@ impl DFlash {
         if rows == 0 {
             return;
         }
+        let t0 = std::time::Instant::now();
         let features = match taps {
             None => Err("no taps".to_string()),
             Some(t) if t.pos as usize != pos => {
@@ -323,10 +409,16 @@ impl DFlash {
             Some(t) => m.features(t, row_ids),
         };
         let result = features.and_then(|f| {
-            m.backbone
-                .extend(&mut s.context, &f, pos)
-                .map_err(|e| e.to_string())
+            match (&m.dev, &mut s.dev) {
+                (Some(dev), Some(ctx)) => dev.extend(ctx, &f, pos),
+                _ => m.backbone.extend(&mut s.context, &f, pos),
+            }
+            .map_err(|e| e.to_string())
         });
+        if let Some(p) = &mut self.profile {
+            p.extends += 1;
+            p.extend += t0.elapsed().as_secs_f64() * 1e6;
+        }
         if let Err(reason) = result {
             warn!(
                 session,
@@ -344,9 +436,7 @@ impl DFlash {
 
     /// Context rows cached for `session` and positions missing from it.
     pub fn context_rows(&self, session: SessionId) -> Option<(usize, usize)> {
-        self.sessions
-            .get(&session)
-            .map(|s| (s.context.rows(), s.missing))
+        self.sessions.get(&session).map(|s| (s.rows(), s.missing))
     }
 }
 
@@ -398,6 +488,33 @@ fn plan(config: &DraftConfig, target_layers: usize, block: usize) -> (Vec<Source
         kv_layers: Vec::new(),
     };
     (sources, caps)
+}
+
+/// The draft head `[draft vocab, hidden]` in f32 on `device`: the checkpoint's own copy, or
+/// the target's (tied: its embedding table, dequantized), restricted to the draft vocabulary.
+fn device_head(io: &Io, tied: bool, device: &Device) -> Result<Tensor, Error> {
+    if let Ok((w, _)) = device::dense(&io.lm_head, device) {
+        return Ok(w);
+    }
+    if !tied {
+        return Err(Error::Options(
+            "--device cuda needs a dense lm_head or one tied to the embedding: this target's \
+             is quantized and untied"
+                .into(),
+        ));
+    }
+    let table = match &io.embedding {
+        Embedding::Dense(t) => t.to_dtype(candle_core::DType::F32).map_err(err)?,
+        Embedding::Quantized(q) => q.dequantize(&Device::Cpu).map_err(err)?,
+    };
+    let table = match &io.d2t {
+        Some(ids) => {
+            let ids = Tensor::new(ids.as_slice(), &Device::Cpu).map_err(err)?;
+            table.index_select(&ids, 0).map_err(err)?
+        }
+        None => table,
+    };
+    table.to_device(device).map_err(err)
 }
 
 /// Whether the drafter was made for this target.
@@ -519,8 +636,19 @@ impl Drafter for DFlash {
         // The host's sampler is seeded with the same request seed: a stream of our own keeps
         // the drafts independent of the uniforms that accept or reject them.
         let seed = args.sampling.seed.unwrap_or(session) ^ DRAFT_SEED_SALT;
+        let dev = match self.loaded.as_ref().and_then(|m| m.dev.as_ref()) {
+            None => None,
+            Some(dev) => match dev.context() {
+                Ok(ctx) => Some(ctx),
+                Err(e) => {
+                    warn!(session, error = %e, "no device context: the session drafts nothing");
+                    return;
+                }
+            },
+        };
         let s = Session {
             context: Context::default(),
+            dev,
             anchor,
             pos: args.prompt.len() - 1,
             sampling: args.sampling.clone(),
@@ -644,9 +772,14 @@ impl Loaded {
                 // Mask slot i (row i) predicts the token at anchor + i.
                 let rows = h.narrow(0, 1, n).map_err(err)?;
                 let logits = self.draft_logits(&rows)?;
-                let rows: Vec<Vec<f32>> = logits.to_vec2().map_err(err)?;
                 let (picked, features, q) = match temperature > 0.0 {
+                    // The device path: ids and features in one read-back.
+                    false if self.dev.is_some() => {
+                        let (picked, features) = device::greedy(&logits)?;
+                        (picked, features, None)
+                    }
                     false => {
+                        let rows: Vec<Vec<f32>> = logits.to_vec2().map_err(err)?;
                         let picked = argmax_rows(&logits)?;
                         let features = rows
                             .iter()
@@ -656,6 +789,7 @@ impl Loaded {
                         (picked, features, None)
                     }
                     true => {
+                        let rows: Vec<Vec<f32>> = logits.to_vec2().map_err(err)?;
                         let q: Vec<Vec<f32>> = rows
                             .iter()
                             .map(|r| probs(r, temperature, s.sampling.top_p, s.sampling.top_k))
@@ -877,6 +1011,13 @@ impl Block {
 }
 
 impl Session {
+    /// Context rows cached (on the host or the device).
+    fn rows(&self) -> usize {
+        self.dev
+            .as_ref()
+            .map_or(self.context.rows(), DeviceContext::rows)
+    }
+
     /// Ids committed without taps (a 1.0 host's `new_tokens`): the context gets holes.
     fn extend_untapped(&mut self, ids: &[u32]) {
         if let Some(&last) = ids.last() {

@@ -104,6 +104,33 @@ impl Heads {
         Ok(Heads { markov, confidence })
     }
 
+    /// These heads with their weights in f32 on `device` (the device path; loaded from f32
+    /// linears).
+    ///
+    /// # Errors
+    /// [`Error::Forward`] when a projection is quantized or the device refuses the weights.
+    pub fn to_device(&self, device: &Device) -> Result<Heads, Error> {
+        let mv = |l: &Linear| -> Result<Linear, Error> {
+            let (w, b) = crate::device::dense(l, device)?;
+            Linear::dense(w, b).map_err(err)
+        };
+        let markov = match &self.markov {
+            None => None,
+            Some(m) => Some(Markov {
+                kind: m.kind,
+                rank: m.rank,
+                w1: m.w1.to_device(device).map_err(err)?,
+                w2: mv(&m.w2)?,
+                proj: m.proj.as_ref().map(mv).transpose()?,
+            }),
+        };
+        let confidence = match &self.confidence {
+            None => None,
+            Some((input, l)) => Some((*input, mv(l)?)),
+        };
+        Ok(Heads { markov, confidence })
+    }
+
     /// Whether there is a confidence head.
     pub fn has_confidence(&self) -> bool {
         self.confidence.is_some()

@@ -14,6 +14,7 @@
 
 pub mod calibration;
 pub mod config;
+pub mod device;
 pub mod drafter;
 pub mod heads;
 pub mod model;
@@ -24,6 +25,7 @@ pub mod weights;
 
 use std::path::PathBuf;
 
+pub use device::DeviceChoice;
 pub use drafter::{Block, DFlash, Options};
 pub use tensors::LinearDType;
 pub use vocab::VocabChoice;

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use dflash::weights::default_root;
-use dflash::{DFlash, LinearDType, Options, VocabChoice, WeightsSource};
+use dflash::{DFlash, DeviceChoice, LinearDType, Options, VocabChoice, WeightsSource};
 
 /// Command line of the drafter.
 #[derive(Parser, Debug)]
@@ -44,6 +44,11 @@ struct Args {
     /// vocabulary). Output never changes; drafts are cheaper and may be accepted less often.
     #[arg(long, default_value = "shipped")]
     draft_vocab: VocabChoice,
+    /// Where the forward runs: `cpu` (the host path), `cuda` or `cuda:N` (the whole forward on
+    /// that GPU, weights in f32, context K/V on it; a build with the `cuda` feature, see
+    /// scripts/build-cuda) or `candle-cpu` (the GPU path's ops on the CPU, for checks).
+    #[arg(long, default_value = "cpu")]
+    device: DeviceChoice,
 }
 
 fn main() -> ExitCode {
@@ -75,6 +80,7 @@ fn main() -> ExitCode {
         confidence_threshold: args.confidence_threshold,
         linear_dtype: args.linear_dtype,
         draft_vocab: args.draft_vocab,
+        device: args.device,
     };
     match DFlash::new(source, options) {
         Ok(drafter) => specula_protocol::sdk::serve(drafter),

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use dflash::{Block, DFlash, LinearDType, Options, VocabChoice, WeightsSource};
+use dflash::{Block, DFlash, DeviceChoice, LinearDType, Options, VocabChoice, WeightsSource};
 use serde_json::Value;
 use specula_protocol::sdk::{AdvanceArgs, CommitArgs, DraftAsk, Drafter, OpenArgs, Taps};
 use specula_protocol::wire::{SamplingSpec, TargetInfo};
@@ -121,11 +121,16 @@ fn run(name: &str) {
 }
 
 fn run_at(name: &str, threshold: Option<f32>) {
+    run_on(name, threshold, DeviceChoice::Host);
+}
+
+fn run_on(name: &str, threshold: Option<f32>, device: DeviceChoice) {
     let case = Case::load(name);
     let fixture = case.meta["threshold"].as_f64().unwrap_or(0.0) as f32;
     let threshold = threshold.unwrap_or(fixture);
     let options = Options {
         confidence_threshold: threshold,
+        device,
         ..Options::default()
     };
     let mut d = DFlash::new(WeightsSource::Path(fixtures().join(name)), options).unwrap();
@@ -254,6 +259,25 @@ fn dspark_rnn_markov_matches_deepspec() {
     run("dspark_rnn");
     run("dspark_rnn_conf");
     run_at("dspark_rnn_conf", Some(0.0));
+}
+
+/// The device path (`--device cuda`'s candle ops, run here on the CPU) matches the references
+/// as the host path does: every case, at the fixture's threshold and without a cut.
+#[test]
+fn the_device_path_matches_the_references() {
+    for name in [
+        "dflash",
+        "dflash_maskemb",
+        "dspark_vanilla",
+        "dspark_vanilla_conf",
+        "dspark_gated",
+        "dspark_gated_conf",
+        "dspark_rnn",
+        "dspark_rnn_conf",
+    ] {
+        run_on(name, None, DeviceChoice::CandleCpu);
+    }
+    run_on("dspark_vanilla_conf", Some(0.0), DeviceChoice::CandleCpu);
 }
 
 /// One batched forward for several sessions drafts what each session drafts alone.

@@ -12,7 +12,7 @@
 //! each draft into the next, so its comparison stops at its first narrow margin). The test
 //! fails if fewer than 80 % of the drafts are compared (measured: DFlash 95 %, DSpark 86 %).
 
-use dflash::{DFlash, LinearDType, Options, VocabChoice, WeightsSource};
+use dflash::{DFlash, DeviceChoice, LinearDType, Options, VocabChoice, WeightsSource};
 use serde_json::Value;
 use specula_models::testing::{real_model, repo_root};
 use specula_models::{load_model, ForwardRequest, LoadOptions, Rows, TapId, WeightDType};
@@ -57,6 +57,12 @@ fn check(
         confidence_threshold: 0.0, // whole blocks, as the twin drafted them
         linear_dtype: LinearDType::Stored, // bf16, the values the twin runs in f32
         draft_vocab: VocabChoice::Full, // the twin drafts over the whole vocabulary
+        // DFLASH_TWIN_DEVICE=candle-cpu|cuda[:N]: the device path against the twin.
+        device: std::env::var("DFLASH_TWIN_DEVICE")
+            .ok()
+            .map_or(DeviceChoice::Host, |s| {
+                s.parse().expect("DFLASH_TWIN_DEVICE")
+            }),
     };
     let mut d = DFlash::new(WeightsSource::Path(weights), options).expect("drafter config");
     d.accept_target(target).expect("the weights fit SmolLM2");

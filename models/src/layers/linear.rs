@@ -90,6 +90,11 @@ impl Linear {
         &self.weight
     }
 
+    /// The bias, in f32.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
     /// The SIMD path this layer runs on the CPU.
     pub fn isa(&self) -> Isa {
         self.isa

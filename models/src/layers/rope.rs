@@ -98,6 +98,12 @@ impl Rope {
         })
     }
 
+    /// The tables, `[max_pos][head_dim / 2]` row-major: cos, then sin (for a rotation done
+    /// elsewhere, e.g. candle's `rope_thd` on an accelerator).
+    pub fn tables(&self) -> (&[f32], &[f32]) {
+        (&self.cos, &self.sin)
+    }
+
     /// The layout this rope rotates.
     pub fn style(&self) -> RopeStyle {
         self.style
