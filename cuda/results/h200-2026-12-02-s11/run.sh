@@ -10,11 +10,11 @@ SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 gen() { # name, then cuda-generate's drafter arguments
   local name=$1; shift
   date -u +"== $name %H:%M:%S" | tee -a $R/all.txt
-  DFLASH_PROFILE=1 SPECULA_DRAFTER_WEIGHTS=$PWD/drafters/weights timeout 150 $b/bin/cuda-generate \
+  RUST_LOG=info DFLASH_PROFILE=1 SPECULA_DRAFTER_WEIGHTS=$PWD/drafters/weights timeout 150 $b/bin/cuda-generate \
     --model $b/smollm2-135m.gguf --transport doorbell --max-tokens 128 --out $R/$name.json "$@" \
     >$R/$name.txt 2>&1
   echo "rc $?" >>$R/$name.txt
-  grep -v "^ *$" $R/$name.txt | grep -E "tok/s|speed-up|rc |profile|error|Error|panic|warn" | tail -n 14 | tee -a $R/all.txt
+  grep -v "^ *$" $R/$name.txt | grep -E "tok/s|speed-up|rc |profile|error|Error|panic|warn|drafter:" | cut -c1-400 | tail -n 40 | tee -a $R/all.txt
 }
 for part in "$@"; do
   date -u +"== $part %H:%M:%S"
@@ -26,14 +26,15 @@ for part in "$@"; do
       ldd $b/bin/dflash | grep -E "not found|cublas|curand|nvrtc|libcuda" ;;
     p[1-9]) cp gpu-bin/s11/$part $b/ ;;
     real)
-      cat $b/p[1-9] | xz -dc >$b/smollm2-135m.gguf
+      [ -f $b/smollm2-135m.gguf ] || cat $b/p[1-9] | xz -dc >$b/smollm2-135m.gguf
       echo "$SHA  $b/smollm2-135m.gguf" | sha256sum -c || exit 1
-      gen ngram --drafter $b/bin/ngram:4
-      gen dflash-cpu --drafter $b/bin/dflash:4
+      export CUDA_CACHE_PATH=/var/tmp/nvcache CUDA_CACHE_MAXSIZE=4294967296
+      ls ~/.nv 2>&1 | head -3
+      gen dflash-cuda-first --drafter $b/bin/dflash:4 --drafter-arg=--device=cuda
+      du -sh /var/tmp/nvcache 2>&1
       gen dflash-cuda --drafter $b/bin/dflash:4 --drafter-arg=--device=cuda
-      gen dflash-cuda-k7 --drafter $b/bin/dflash:7 --drafter-arg=--device=cuda
       gen dspark-cuda --drafter $b/bin/dflash:4 --drafter-arg=--kind=dspark --drafter-arg=--device=cuda
-      gen dspark-cuda-k7 --drafter $b/bin/dflash:7 --drafter-arg=--kind=dspark --drafter-arg=--device=cuda ;;
+;;
   esac
 done
 date -u +"== end %H:%M:%S"
