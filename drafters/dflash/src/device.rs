@@ -226,6 +226,22 @@ impl DeviceBackbone {
         &self.device
     }
 
+    /// Runs a context of two rows and one block of `block` rows once, so the device's first
+    /// kernels (loading, library handles) run at load, not in a session's first round, and a
+    /// device that cannot run the forward fails the load with its reason. Returns the block's
+    /// hidden rows.
+    ///
+    /// # Errors
+    /// [`Error::Forward`] with the device's reason.
+    pub fn warm_up(&self, block: usize) -> Result<Tensor, Error> {
+        let (h, fin) = self.fc.dims2().map_err(err)?;
+        let mut ctx = self.context()?;
+        let f = Tensor::zeros((2, fin), DType::F32, &Device::Cpu).map_err(err)?;
+        self.extend(&mut ctx, &f, 0)?;
+        let x = Tensor::zeros((block, h), DType::F32, &Device::Cpu).map_err(err)?;
+        self.forward(&ctx, &x, 2)
+    }
+
     /// An empty context.
     ///
     /// # Errors

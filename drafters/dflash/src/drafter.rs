@@ -277,6 +277,11 @@ impl DFlash {
                 let dev = DeviceBackbone::load(&config, &tensors, &rope, max_pos, d)?;
                 io.lm_head = Linear::dense(device_head(&io, tied, d)?, None).map_err(err)?;
                 let heads = heads.map(|h| h.to_device(d)).transpose()?;
+                let t = std::time::Instant::now();
+                let h = dev.warm_up(block)?;
+                let logits = io.lm_head.forward(&h).map_err(err)?;
+                device::greedy(&logits)?;
+                info!(ms = t.elapsed().as_millis() as u64, "device path warmed up");
                 (Some(dev), heads)
             }
         };
