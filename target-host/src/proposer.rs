@@ -360,14 +360,14 @@ impl Current {
     /// The proposer, or `None` when there is none or it has failed (panicked).
     pub fn proposer(&mut self) -> Option<&mut (dyn Proposer + 'static)> {
         match &mut self.proposer {
-            Some(p) if p.failed.is_none() => Some(p),
+            Some(p) if !p.blown() => Some(p),
             _ => None,
         }
     }
 
     /// Whether a working proposer is installed.
     pub fn is_some(&self) -> bool {
-        self.proposer.as_ref().is_some_and(|p| p.failed.is_none())
+        self.proposer.as_ref().is_some_and(|p| !p.blown())
     }
 
     /// Which proposer, and which life of it, a session is open on: the slot's epoch and the
@@ -386,7 +386,17 @@ impl Current {
 struct Fused {
     inner: Box<dyn Proposer>,
     name: String,
-    failed: Option<String>,
+    /// Why the fuse blew (set once; `wants` takes `&self`, so it can blow it too).
+    failed: std::sync::OnceLock<String>,
+}
+
+/// The text of a caught panic's payload.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("no message")
 }
 
 impl Fused {
@@ -395,38 +405,40 @@ impl Fused {
         Fused {
             inner,
             name,
-            failed: None,
+            failed: std::sync::OnceLock::new(),
         }
     }
 
-    /// Runs `call` on the proposer unless the fuse has blown; a panic blows it and gives
-    /// `fallback`.
+    fn blown(&self) -> bool {
+        self.failed.get().is_some()
+    }
+
+    /// The value of a guarded call, or `fallback` after blowing the fuse if it panicked.
+    fn caught<R>(&self, what: &str, fallback: R, run: std::thread::Result<R>) -> R {
+        run.unwrap_or_else(|panic| {
+            let why = panic_message(&*panic);
+            tracing::error!(
+                drafter = %self.name,
+                "the drafter panicked in {what} ({why}): drafting without it until another is installed"
+            );
+            let _ = self.failed.set(why.to_string());
+            fallback
+        })
+    }
+
+    /// Runs `call` on the proposer unless the fuse has blown.
     fn guard<R>(
         &mut self,
         what: &str,
         fallback: R,
         call: impl FnOnce(&mut dyn Proposer) -> R,
     ) -> R {
-        if self.failed.is_some() {
+        if self.blown() {
             return fallback;
         }
         let inner = &mut *self.inner;
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| call(inner))) {
-            Ok(r) => r,
-            Err(panic) => {
-                let why = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "no message".into());
-                tracing::error!(
-                    drafter = %self.name,
-                    "the drafter panicked in {what} ({why}): drafting without it until another is installed"
-                );
-                self.failed = Some(why);
-                fallback
-            }
-        }
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| call(inner)));
+        self.caught(what, fallback, run)
     }
 }
 
@@ -435,11 +447,11 @@ impl Proposer for Fused {
         &self.name
     }
     fn wants(&self) -> Wants {
-        if self.failed.is_some() {
+        if self.blown() {
             return Wants::default();
         }
-        let inner = &*self.inner;
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.wants())).unwrap_or_default()
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.inner.wants()));
+        self.caught("wants", Wants::default(), run)
     }
     fn open(
         &mut self,
@@ -464,9 +476,9 @@ impl Proposer for Fused {
         self.guard("close", (), |p| p.close(session))
     }
     fn health(&self) -> Health {
-        match self.failed {
-            Some(_) => Health::Failed,
-            None => self.inner.health(),
+        match self.blown() {
+            true => Health::Failed,
+            false => self.inner.health(),
         }
     }
     fn incarnation(&self) -> u64 {

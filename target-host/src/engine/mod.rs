@@ -375,15 +375,6 @@ impl Drop for Alive {
     }
 }
 
-/// The text of a caught panic's payload.
-fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> &str {
-    panic
-        .downcast_ref::<&str>()
-        .copied()
-        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("no message")
-}
-
 impl Sink for ChannelSink {
     fn token(&mut self, ev: TokenEvent<'_>) -> Flow {
         let sent = self.events.send(Event::Token {
@@ -519,7 +510,7 @@ impl Engine {
                             // Dropping the core fails its requests (see `ChannelSink`'s drop).
                             Err(panic) => tracing::error!(
                                 "the engine panicked ({}): its requests fail, and it restarts",
-                                panic_message(&panic)
+                                crate::proposer::panic_message(&*panic)
                             ),
                         }
                     }
