@@ -16,8 +16,14 @@
 //! about to be overwritten); after writing it raises `written` to `end`. A reader copies the bytes,
 //! then checks that `valid_from` has not passed the view's epoch: if it has, the copy may be torn
 //! and the tensor is dropped (seqlock style: epoch checked before and after).
+//!
+//! The payload is written and read with relaxed atomic stores and loads of whole elements (u32
+//! for f32, u16 for bf16), never through plain references: a reader racing a lapping writer
+//! then reads stale or new elements, which the check afterwards throws away, rather than
+//! racing a plain access (undefined behaviour, whatever the check says afterwards).
 
-use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::marker::PhantomData;
+use std::sync::atomic::{fence, AtomicU16, AtomicU32, AtomicU64, Ordering};
 
 use ipc_channel::ipc::IpcSharedMemory;
 use serde::{Deserialize, Serialize};
@@ -178,8 +184,11 @@ impl ShmWriter {
     /// tensor is bigger than the ring.
     pub fn write_f32(&mut self, data: &[f32], shape: &[u32]) -> Result<TensorView> {
         self.write(DType::F32, data.len(), shape, |dst| {
-            for (chunk, x) in dst.chunks_exact_mut(4).zip(data) {
-                chunk.copy_from_slice(&x.to_le_bytes());
+            for (i, x) in data.iter().enumerate() {
+                // SAFETY: `dst` is 4-aligned (tensors start on cache lines of a page-aligned
+                // mapping) and holds `data.len()` elements; every access to it is atomic.
+                unsafe { AtomicU32::from_ptr(dst.add(4 * i).cast()) }
+                    .store(x.to_bits().to_le(), Ordering::Relaxed);
             }
         })
     }
@@ -191,8 +200,10 @@ impl ShmWriter {
     /// As [`ShmWriter::write_f32`].
     pub fn write_bf16(&mut self, bits: &[u16], shape: &[u32]) -> Result<TensorView> {
         self.write(DType::BF16, bits.len(), shape, |dst| {
-            for (chunk, x) in dst.chunks_exact_mut(2).zip(bits) {
-                chunk.copy_from_slice(&x.to_le_bytes());
+            for (i, x) in bits.iter().enumerate() {
+                // SAFETY: as in `write_f32`, with 2-byte elements.
+                unsafe { AtomicU16::from_ptr(dst.add(2 * i).cast()) }
+                    .store(x.to_le(), Ordering::Relaxed);
             }
         })
     }
@@ -202,7 +213,7 @@ impl ShmWriter {
         dtype: DType,
         len: usize,
         shape: &[u32],
-        fill: impl FnOnce(&mut [u8]),
+        fill: impl FnOnce(*mut u8),
     ) -> Result<TensorView> {
         let numel: usize = shape.iter().map(|&d| d as usize).product();
         if numel != len {
@@ -234,9 +245,10 @@ impl ShmWriter {
         // Readers that see any of the new bytes must also see the raised `valid_from`.
         fence(Ordering::Release);
         let offset = HEADER as u64 + start % self.capacity;
-        // Readers may race with this copy; they detect it through `valid_from` and drop what they
-        // read. [offset, offset + bytes) lies inside the mapping (checked above).
-        fill(&mut mem[offset as usize..(offset + bytes) as usize]);
+        // Readers may race with this copy (atomic on both sides); they detect it through
+        // `valid_from` and drop what they read. [offset, offset + bytes) lies inside the mapping
+        // (checked above).
+        fill(mem[offset as usize..(offset + bytes) as usize].as_mut_ptr());
         word(mem, WRITTEN).store(end, Ordering::Release);
         self.next = end.div_ceil(ALIGN) * ALIGN;
         Ok(TensorView {
@@ -328,11 +340,14 @@ impl ShmReader {
         let tensor = TensorRef {
             dtype: view.dtype,
             shape: view.shape.clone(),
-            bytes: &base[view.offset as usize..(view.offset + bytes) as usize],
+            // Never dereferenced as a plain slice: elements are loaded atomically.
+            ptr: base[view.offset as usize..(view.offset + bytes) as usize].as_ptr(),
+            len: bytes as usize,
             guard: Some(Guard {
                 reader: self,
                 epoch: view.epoch,
             }),
+            borrow: PhantomData,
         };
         tensor.check()?;
         Ok(tensor)
@@ -362,15 +377,23 @@ struct Guard<'a> {
 /// read it in place, copy only what you keep.
 ///
 /// The host may overwrite a region tensor once the ring laps, so every copying method checks
-/// afterwards that the bytes were intact ([`Error::Torn`] otherwise); a caller reading
-/// [`TensorRef::bytes`] directly calls [`TensorRef::check`] after it is done.
+/// afterwards that the bytes were intact ([`Error::Torn`] otherwise).
 #[derive(Debug, Clone)]
 pub struct TensorRef<'a> {
     dtype: DType,
     shape: Vec<u32>,
-    bytes: &'a [u8],
+    /// `len` bytes, aligned to the element size, read only by atomic loads of whole elements.
+    ptr: *const u8,
+    len: usize,
     guard: Option<Guard<'a>>,
+    borrow: PhantomData<&'a [u8]>,
 }
+
+// SAFETY: a `TensorRef` only ever loads its bytes atomically, from memory borrowed for 'a (a
+// region's mapping or the caller's slice), so sharing it between threads races nothing.
+unsafe impl Send for TensorRef<'_> {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for TensorRef<'_> {}
 
 impl<'a> TensorRef<'a> {
     /// A view of f32 values in this process's memory (never torn). When `shape` does not hold
@@ -381,14 +404,13 @@ impl<'a> TensorRef<'a> {
             true => shape.to_vec(),
             false => vec![data.len() as u32],
         };
-        // SAFETY: any f32 is 4 initialised bytes; the slice borrows `data` for 'a.
-        let bytes =
-            unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), data.len() * 4) };
         TensorRef {
             dtype: DType::F32,
             shape,
-            bytes,
+            ptr: data.as_ptr().cast(),
+            len: data.len() * 4,
             guard: None,
+            borrow: PhantomData,
         }
     }
 
@@ -404,12 +426,29 @@ impl<'a> TensorRef<'a> {
 
     /// Number of elements.
     pub fn numel(&self) -> usize {
-        self.bytes.len() / self.dtype.size()
+        self.len / self.dtype.size()
     }
 
-    /// The raw little-endian bytes, in place. Call [`TensorRef::check`] after reading them.
-    pub fn bytes(&self) -> &'a [u8] {
-        self.bytes
+    /// Element `i` as f32 (`i < numel`).
+    #[inline]
+    fn load(&self, i: usize) -> f32 {
+        debug_assert!(i < self.numel());
+        // SAFETY: `i` is in bounds and `ptr` is aligned to the element size (see `ptr`); the
+        // memory lives for 'a and every access to it is atomic (the writer's included).
+        unsafe {
+            match self.dtype {
+                DType::F32 => f32::from_bits(u32::from_le(
+                    AtomicU32::from_ptr(self.ptr.add(4 * i).cast_mut().cast())
+                        .load(Ordering::Relaxed),
+                )),
+                DType::BF16 => f32::from_bits(
+                    u32::from(u16::from_le(
+                        AtomicU16::from_ptr(self.ptr.add(2 * i).cast_mut().cast())
+                            .load(Ordering::Relaxed),
+                    )) << 16,
+                ),
+            }
+        }
     }
 
     /// Whether the bytes are still the ones the host wrote (always for in-process tensors).
@@ -443,19 +482,8 @@ impl<'a> TensorRef<'a> {
                 reason: format!("elements {range:?} of a tensor of {}", self.numel()),
             });
         }
-        let size = self.dtype.size();
-        let src = &self.bytes[range.start * size..range.end * size];
         let before = out.len();
-        match self.dtype {
-            DType::F32 => out.extend(
-                src.chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-            ),
-            DType::BF16 => out.extend(
-                src.chunks_exact(2)
-                    .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16)),
-            ),
-        }
+        out.extend(range.map(|i| self.load(i)));
         self.check().inspect_err(|_| out.truncate(before))
     }
 
@@ -527,8 +555,8 @@ mod tests {
         assert_eq!(v.dtype, DType::BF16);
         let t = r.view(&v).unwrap();
         assert_eq!(
-            (t.numel(), t.bytes().len(), t.shape()),
-            (4, 8, &[2u32, 2][..])
+            (t.numel(), t.dtype(), t.shape()),
+            (4, DType::BF16, &[2u32, 2][..])
         );
         let want: Vec<f32> = bits
             .iter()

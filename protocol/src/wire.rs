@@ -71,7 +71,8 @@ pub struct Hello {
 pub struct Capabilities {
     /// The most drafts it proposes per row; the host never asks for more.
     pub max_draft_len: u32,
-    /// How the prompt is handed over at `Open`.
+    /// How the drafter treats the prompt at `Open`: informational (logged by the host, which
+    /// sends the same `Open` either way; see [`PrefillMode`]).
     pub prefill: PrefillMode,
     /// Hidden-state taps: output of layer `l`, for each listed `l`.
     pub tap_layers: Vec<u32>,
@@ -99,7 +100,10 @@ impl Capabilities {
     }
 }
 
-/// How a drafter treats the last prompt id at `Open`.
+/// How a drafter treats the last prompt id at `Open`. Informational: whatever the mode, the
+/// host's `Open` carries the whole context with its last id pending (and taps of every position
+/// but that one), and the first `Draft` feeds that id; a `FullPrompt` drafter simply runs it
+/// early on its own. Kept for the wire format's sake (1.0 peers send it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum PrefillMode {
     /// The last prompt id is pending, like the target's: it is fed with the first draft step.
