@@ -1,6 +1,8 @@
 //! Forward-pass timing of a model: prefill tokens/s at several prompt lengths, decode tokens/s,
-//! and the cost of a k-token chunk relative to a single-token step (what speculative
-//! verification pays per draft length), on the SIMD path it names (`SPECULA_ISA` forces one).
+//! the cost of a k-token chunk relative to a single-token step (what speculative
+//! verification pays per draft length) and of one decode row for each of s sequences in one
+//! packed forward (what the batched engine pays per stream), on the SIMD path it names
+//! (`SPECULA_ISA` forces one).
 //!
 //! ```text
 //! cargo run --release -p specula-models --example bench_forward -- \
@@ -14,7 +16,9 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Parser;
 use specula_models::layers::simd::Isa;
-use specula_models::{load_model, ForwardRequest, LoadOptions, Model, WeightDType};
+use specula_models::{
+    load_model, Batch, ForwardRequest, LoadOptions, Model, Rows, SeqRows, WeightDType,
+};
 
 #[derive(Parser)]
 struct Args {
@@ -43,6 +47,10 @@ struct Args {
     /// Chunk sizes timed after decoding (the first is the base of the ratios).
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
     chunks: Vec<usize>,
+    /// Sequence counts timed as one packed forward of one decode row each, every sequence at
+    /// `--context` (ratios against a one-row step of one sequence); empty to skip.
+    #[arg(long, value_delimiter = ',')]
+    seqs: Vec<usize>,
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -171,6 +179,79 @@ fn main() -> anyhow::Result<()> {
         let (b_med, b_min, b_cpu) = *base.get_or_insert((ms, min, cpu));
         println!(
             "chunk {k:>2} @ ctx {}: median {ms:7.2} ms (ratio {:.2})  min {min:7.2} ms (ratio {:.2})  cpu {cpu:7.2} ms (ratio {:.2})",
+            args.context,
+            ms / b_med,
+            min / b_min,
+            cpu / b_cpu
+        );
+    }
+    if !args.seqs.is_empty() {
+        seqs(&model, &args, &prompt)?;
+    }
+    Ok(())
+}
+
+/// One decode row for each of `s` sequences (all at `--context`, distinct contexts) in one
+/// packed forward, for each `s` of `--seqs`, alternated like the chunks; the ratio is against
+/// `s = 1`.
+fn seqs(model: &Model, args: &Args, prompt: &[u32]) -> anyhow::Result<()> {
+    let vocab = model.config().vocab_size;
+    let most = args.seqs.iter().copied().max().unwrap_or(1);
+    let blocks = most * args.context.div_ceil(specula_models::kv_pool::BLOCK_SIZE) + most * 2;
+    let mut pool = model.new_pool(blocks)?;
+    let mut ids = Vec::with_capacity(most);
+    for i in 0..most {
+        let seq = pool.create();
+        // Each sequence its own context: rotate the prompt's ids.
+        let ctx: Vec<u32> = prompt
+            .iter()
+            .map(|&t| (t + i as u32) % vocab as u32)
+            .collect();
+        let batch = Batch {
+            seqs: vec![SeqRows {
+                seq,
+                tokens: ctx,
+                logits: Rows::Last(0),
+                taps: Rows::Last(0),
+            }],
+            taps: Vec::new(),
+        };
+        model.forward_batch(&batch, &mut pool)?;
+        ids.push(seq);
+    }
+    let mut times = vec![Vec::new(); args.seqs.len()];
+    let mut cpu = vec![Vec::new(); args.seqs.len()];
+    for rep in 0..args.runs.max(3) * 2 {
+        for ((&s, times), cpu) in args.seqs.iter().zip(&mut times).zip(&mut cpu) {
+            let batch = Batch {
+                seqs: ids[..s]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &seq)| SeqRows {
+                        seq,
+                        tokens: vec![((rep * 31 + i * 7) % vocab) as u32],
+                        logits: Rows::Last(1),
+                        taps: Rows::Last(0),
+                    })
+                    .collect(),
+                taps: Vec::new(),
+            };
+            let (t, c) = (Instant::now(), cpu_ms());
+            model.forward_batch(&batch, &mut pool)?;
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+            cpu.push(cpu_ms() - c);
+            for &seq in &ids[..s] {
+                pool.truncate(seq, args.context)?;
+            }
+        }
+    }
+    let mut base = None;
+    for ((&s, times), cpu) in args.seqs.iter().zip(times).zip(cpu) {
+        let min = times.iter().copied().fold(f64::INFINITY, f64::min);
+        let (ms, cpu) = (median(times), median(cpu));
+        let (b_med, b_min, b_cpu) = *base.get_or_insert((ms, min, cpu));
+        println!(
+            "seqs  {s:>2} x 1 row @ ctx {}: median {ms:7.2} ms (ratio {:.2})  min {min:7.2} ms (ratio {:.2})  cpu {cpu:7.2} ms (ratio {:.2})",
             args.context,
             ms / b_med,
             min / b_min,
