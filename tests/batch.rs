@@ -19,13 +19,13 @@ use target_host::drafter::{ClientConfig, DrafterClient, DrafterSpec};
 use target_host::drafter_args::target_info;
 use target_host::engine::{Core, Counters, Engine, EngineConfig, Event, Refusal, Sink};
 use target_host::generation::{
-    generate, Flow, Generation, GenerationRequest, Speculation, TokenEvent,
+    generate, Flow, Generation, GenerationError, GenerationRequest, Speculation, TokenEvent,
 };
 use target_host::proposer::{
     Draft, DraftBatch, Health, Proposer, ProposerSlot, TapRows, Verdict, Wants,
 };
 
-type Results = Arc<Mutex<Vec<Option<Result<Generation, String>>>>>;
+type Results = Arc<Mutex<Vec<Option<Result<Generation, GenerationError>>>>>;
 
 /// Keeps a sequence's result in slot `i`.
 struct Keep {
@@ -37,7 +37,7 @@ impl Sink for Keep {
     fn token(&mut self, _: TokenEvent<'_>) -> Flow {
         Flow::Continue
     }
-    fn done(&mut self, result: Result<Generation, String>) {
+    fn done(&mut self, result: Result<Generation, GenerationError>) {
         self.results.lock().unwrap()[self.i] = Some(result);
     }
     fn is_closed(&self) -> bool {
@@ -145,6 +145,39 @@ fn solo_plain(loaded: &LoadedModel, req: &GenerationRequest) -> Vec<u32> {
     )
     .expect("solo generate")
     .token_ids
+}
+
+/// A request that can never run is the client's error, typed so the server answers 400: an
+/// empty prompt, one filling the whole context, invalid sampling parameters.
+#[test]
+fn a_request_that_cannot_run_is_an_invalid_request_not_a_failure() {
+    let (_dir, loaded) = tiny_loaded("llama", 3);
+    let context = loaded.model.context_len();
+    let slot = ProposerSlot::new(None);
+    let (mut core, _) = counted_core(&loaded, &slot, tight());
+    let mut bad_sampling = request(3, &[4, 5], 4, Speculation::Off);
+    bad_sampling.sampling.top_p = 1.5;
+    let reqs = [
+        request(1, &[], 4, Speculation::Off),
+        request(2, &vec![7; context], 4, Speculation::Off),
+        bad_sampling,
+    ];
+    let results: Results = Arc::new(Mutex::new(vec![None; reqs.len()]));
+    for (i, req) in reqs.iter().enumerate() {
+        let sink = Keep {
+            results: results.clone(),
+            i,
+        };
+        core.admit(req.clone(), Box::new(sink))
+            .expect("reported, not refused");
+    }
+    assert!(!core.has_work(), "nothing was queued");
+    for (i, r) in results.lock().unwrap().iter().enumerate() {
+        match r {
+            Some(Err(GenerationError::Invalid(why))) => assert!(!why.is_empty()),
+            other => panic!("request {i}: {other:?}"),
+        }
+    }
 }
 
 /// A small step budget and few running slots: prompts are chunked, requests wait, join and
@@ -435,7 +468,7 @@ impl Proposer for PanicsOnce {
 /// Waits for a request's last event: its result.
 fn outcome(
     mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
-) -> Option<Result<Generation, String>> {
+) -> Option<Result<Generation, GenerationError>> {
     while let Some(ev) = rx.blocking_recv() {
         if let Event::Done(result) = ev {
             return Some(result);
@@ -544,7 +577,7 @@ fn a_panic_in_the_engine_fails_its_requests_and_a_fresh_core_serves_the_queue() 
     let queued = engine.submit(req.clone()).expect("queued");
     open.store(true, Ordering::SeqCst);
     match outcome(running) {
-        Some(Err(e)) => assert!(e.contains("engine failed"), "{e}"),
+        Some(Err(GenerationError::Failed(e))) => assert!(e.contains("engine failed"), "{e}"),
         other => panic!("the request in the panicked core: {other:?}"),
     }
     let got = outcome(queued)
@@ -773,7 +806,7 @@ fn streams_at_the_whole_context_stay_within_the_pool() {
     }
     let refused = results
         .iter()
-        .filter(|r| matches!(r, Some(Err(e)) if e.contains("busy")))
+        .filter(|r| matches!(r, Some(Err(GenerationError::Refused(Refusal::Busy { .. })))))
         .count();
     assert_eq!(refused, 16);
 }
@@ -1254,4 +1287,116 @@ fn a_tap_drafters_second_turn_adopts_cached_blocks_with_their_taps() {
         assert_eq!(a[&p], b[&p], "position {p}");
     }
     assert_eq!(second.token_ids, solo_plain(&loaded, &req2));
+}
+
+/// What a [`Tapper`] was told: per session, the tap rows of each `Open` (`None`: no taps).
+type Opens = Arc<Mutex<Vec<(u64, Option<usize>)>>>;
+
+/// A tap drafter in process: wants layer `layer`'s taps, records its opens, drafts token 1.
+struct Tapper {
+    layer: usize,
+    opens: Opens,
+}
+
+impl Proposer for Tapper {
+    fn name(&self) -> &str {
+        "tapper"
+    }
+    fn wants(&self) -> Wants {
+        Wants {
+            tap_layers: vec![self.layer],
+            ..Wants::default()
+        }
+    }
+    fn open(&mut self, s: u64, _: &[u32], _: &SamplingParams, taps: Option<&TapRows>) {
+        self.opens.lock().unwrap().push((s, taps.map(|t| t.rows)));
+    }
+    fn draft(&mut self, batch: &DraftBatch<'_>) -> Vec<Draft> {
+        let draft = |n| Draft {
+            tokens: vec![1; n],
+            ..Draft::default()
+        };
+        batch.asks.iter().map(|a| draft(a.n)).collect()
+    }
+    fn commit(&mut self, _: u64, _: &Verdict<'_>) {}
+    fn advance(&mut self, _: u64, _: &[u32], _: Option<&TapRows>) {}
+    fn close(&mut self, _: u64) {}
+}
+
+/// A hot swap to a drafter wanting other taps re-forwards each session's context; when that
+/// re-forward fails, the step goes on: that sequence runs plain (never opened on the new
+/// drafter), the other is opened with every position's taps, both outputs equal solo plain, and
+/// `/metrics`' drafting counters say what happened.
+#[test]
+fn a_failed_tap_reforward_costs_its_sequence_the_speculation_not_the_step() {
+    let (_dir, loaded) = tiny_loaded("llama", 11);
+    let prompts: Vec<Vec<u32>> = vec![(3..12).collect(), (20..26).collect()];
+    let spec = Speculation::On {
+        num_draft_tokens: 2,
+    };
+    let reqs: Vec<GenerationRequest> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| request(i as u64 + 1, p, 24, spec))
+        .collect();
+    let (first, second): (Opens, Opens) = Default::default();
+    let slot = ProposerSlot::new(Some(Box::new(Tapper {
+        layer: 0,
+        opens: first.clone(),
+    })));
+    let (mut core, counters) = counted_core(
+        &loaded,
+        &slot,
+        EngineConfig {
+            profile: false,
+            ..EngineConfig::default()
+        },
+    );
+    let results: Results = Arc::new(Mutex::new(vec![None; reqs.len()]));
+    for (i, req) in reqs.iter().enumerate() {
+        let sink = Keep {
+            results: results.clone(),
+            i,
+        };
+        core.admit(req.clone(), Box::new(sink)).expect("admitted");
+    }
+    // Prefill and a few rounds on the first drafter.
+    for _ in 0..4 {
+        core.step().expect("step");
+    }
+    assert_eq!(first.lock().unwrap().len(), 2, "both sessions opened");
+    slot.replace(Some(Box::new(Tapper {
+        layer: 1,
+        opens: second.clone(),
+    })));
+    core.inject_resync_failures(1);
+    let mut steps = 0;
+    while core.has_work() {
+        core.step()
+            .expect("a failed re-forward does not fail the step");
+        steps += 1;
+        assert!(steps < 10_000, "the batch does not finish");
+    }
+    for (i, r) in results.lock().unwrap().iter().enumerate() {
+        let g = r.clone().expect("reported").expect("generated");
+        assert_eq!(g.token_ids, solo_plain(&loaded, &reqs[i]), "request {i}");
+    }
+    let opens = second.lock().unwrap().clone();
+    assert_eq!(
+        opens.len(),
+        1,
+        "one session re-opened, the failed one not: {opens:?}"
+    );
+    assert!(
+        opens[0]
+            .1
+            .is_some_and(|rows| rows > prompts[(opens[0].0 - 1) as usize].len()),
+        "re-opened with the taps of its whole context: {opens:?}"
+    );
+    let d = counters.snapshot().drafting;
+    assert_eq!(
+        (d.reforwards, d.resync_failed, d.reopened),
+        (1, 1, 1),
+        "{d:?}"
+    );
 }

@@ -25,7 +25,9 @@ use specula_models::chat::{ChatMessage, RenderOptions};
 use specula_models::loader::{load, LoadOptions, LoadedModel};
 use specula_models::sampling::SamplingParams;
 use target_host::engine::{Core, Counters, EngineConfig, Sink};
-use target_host::generation::{Flow, Generation, GenerationRequest, Speculation, TokenEvent};
+use target_host::generation::{
+    Flow, Generation, GenerationError, GenerationRequest, Speculation, TokenEvent,
+};
 use target_host::proposer::ProposerSlot;
 
 /// The prompts of `scripts/load-test --sweep`, in its order.
@@ -47,7 +49,7 @@ impl Sink for First {
             .get_or_insert_with(Instant::now);
         Flow::Continue
     }
-    fn done(&mut self, _: Result<Generation, String>) {}
+    fn done(&mut self, _: Result<Generation, GenerationError>) {}
     fn is_closed(&self) -> bool {
         false
     }

@@ -150,6 +150,28 @@ pub struct GenerationStats {
     pub host_ms: f64,
 }
 
+/// Why a request ended without a generation; the HTTP layer answers by its kind.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GenerationError {
+    /// The request cannot run as asked (invalid sampling parameters, an empty prompt, one that
+    /// does not fit the context): the client's to fix (HTTP 400).
+    #[error("{0}")]
+    Invalid(String),
+    /// Admission refused it (HTTP 429, 400 or 503 by the refusal).
+    #[error(transparent)]
+    Refused(#[from] crate::engine::Refusal),
+    /// The server failed it: a failed forward, a broken invariant (HTTP 500).
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl GenerationError {
+    /// A [`GenerationError::Failed`] from any error, with its context chain.
+    pub fn failed(e: impl std::fmt::Display) -> Self {
+        GenerationError::Failed(format!("{e:#}"))
+    }
+}
+
 /// The result of a generation.
 #[derive(Debug, Clone)]
 pub struct Generation {
@@ -200,20 +222,20 @@ pub fn generate(
     drop(core);
     result
         .expect("invariant: a finished sequence reported its result")
-        .map_err(|e| anyhow::anyhow!(e))
+        .map_err(anyhow::Error::from)
 }
 
 /// The sink of [`generate`]: forwards tokens to a closure and keeps the result.
 struct OneSink<'s, 'r> {
     sink: &'s mut dyn FnMut(TokenEvent<'_>) -> Flow,
-    result: &'r mut Option<Result<Generation, String>>,
+    result: &'r mut Option<Result<Generation, GenerationError>>,
 }
 
 impl Sink for OneSink<'_, '_> {
     fn token(&mut self, ev: TokenEvent<'_>) -> Flow {
         (self.sink)(ev)
     }
-    fn done(&mut self, result: Result<Generation, String>) {
+    fn done(&mut self, result: Result<Generation, GenerationError>) {
         *self.result = Some(result);
     }
     fn is_closed(&self) -> bool {

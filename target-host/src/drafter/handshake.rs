@@ -282,6 +282,8 @@ pub fn connect(
         pid = conn.child.pid(),
         %version,
         doorbell = conn.has_doorbell(),
+        max_draft_len = conn.hello.capabilities.max_draft_len,
+        prefill = ?conn.hello.capabilities.prefill,
         "drafter ready"
     );
     Ok(conn)

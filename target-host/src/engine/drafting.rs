@@ -111,6 +111,8 @@ pub struct DraftingCounters {
     pub reforwards: u64,
     /// Sessions whose kept taps went over the budget (then re-forwarded if needed).
     pub taps_over_budget: u64,
+    /// Re-forwards that failed (those sequences run plain).
+    pub resync_failed: u64,
 }
 
 /// The per-session drafter records and the proposer's wants.

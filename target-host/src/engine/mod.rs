@@ -46,9 +46,12 @@ use specula_models::tokenizer::Tokenizer;
 use specula_models::Model;
 use tokio::sync::mpsc as tokio_mpsc;
 
-use crate::generation::{Flow, Generation, GenerationRequest, TokenEvent, TokenLogprob};
+use crate::generation::{
+    Flow, Generation, GenerationError, GenerationRequest, TokenEvent, TokenLogprob,
+};
 use crate::proposer::{Health, Proposer, ProposerSlot, SessionId};
 
+pub use drafting::DraftingCounters;
 pub use scheduler::{Limits, Refusal};
 pub use sequence::Sink;
 pub use step::Core;
@@ -174,6 +177,10 @@ pub struct Counters {
     step_us: AtomicU64,
     forward_us: AtomicU64,
     draft_us: AtomicU64,
+    reopened: AtomicU64,
+    reforwards: AtomicU64,
+    taps_over_budget: AtomicU64,
+    resync_failed: AtomicU64,
 }
 
 /// A reading of [`Counters`].
@@ -223,6 +230,9 @@ pub struct EngineCounters {
     pub forward_us: u64,
     /// Time waiting for drafts, µs.
     pub draft_us: u64,
+    /// What the drafters were told: sessions re-opened, contexts re-forwarded for their taps,
+    /// kept taps over budget, re-forwards that failed (totals over every core's life).
+    pub drafting: DraftingCounters,
 }
 
 impl Counters {
@@ -271,6 +281,22 @@ impl Counters {
         self.finished.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Adds what the drafting counters gained since `last` (a core's own counters start at
+    /// zero; these totals span cores).
+    fn drafting(&self, now: &DraftingCounters, last: &DraftingCounters) {
+        let add = |a: &AtomicU64, now: u64, last: u64| {
+            a.fetch_add(now.saturating_sub(last), Ordering::Relaxed);
+        };
+        add(&self.reopened, now.reopened, last.reopened);
+        add(&self.reforwards, now.reforwards, last.reforwards);
+        add(
+            &self.taps_over_budget,
+            now.taps_over_budget,
+            last.taps_over_budget,
+        );
+        add(&self.resync_failed, now.resync_failed, last.resync_failed);
+    }
+
     /// Where one step's time went (ms).
     fn time(&self, step: f64, forward: f64, draft: f64) {
         let us = |ms: f64| (ms * 1e3).max(0.0) as u64;
@@ -305,6 +331,12 @@ impl Counters {
             step_us: q(&self.step_us),
             forward_us: q(&self.forward_us),
             draft_us: q(&self.draft_us),
+            drafting: DraftingCounters {
+                reopened: q(&self.reopened),
+                reforwards: q(&self.reforwards),
+                taps_over_budget: q(&self.taps_over_budget),
+                resync_failed: q(&self.resync_failed),
+            },
         }
     }
 }
@@ -322,7 +354,7 @@ pub enum Event {
         logprob: Option<TokenLogprob>,
     },
     /// The request ended; always the last event.
-    Done(Result<Generation, String>),
+    Done(Result<Generation, GenerationError>),
 }
 
 /// A refused request and when to try again.
@@ -359,9 +391,9 @@ impl Drop for ChannelSink {
     /// client hears why and the queue count stays true.
     fn drop(&mut self) {
         if !self.finished {
-            self.done(Err(
+            self.done(Err(GenerationError::Failed(
                 "the engine failed while serving this request (see the server log)".into(),
-            ));
+            )));
         }
     }
 }
@@ -387,7 +419,7 @@ impl Sink for ChannelSink {
             Err(_) => Flow::Cancel,
         }
     }
-    fn done(&mut self, result: Result<Generation, String>) {
+    fn done(&mut self, result: Result<Generation, GenerationError>) {
         self.finished = true;
         if let Err(e) = &result {
             tracing::warn!("generation failed: {e}");
@@ -708,7 +740,7 @@ pub type EngineSeries = (&'static str, SeriesKind, &'static str, f64);
 
 impl EngineCounters {
     /// The counters as metric series, in a fixed order (the same names at every call).
-    pub fn series(&self) -> [EngineSeries; 20] {
+    pub fn series(&self) -> [EngineSeries; 24] {
         [
             (
                 "specula_engine_running",
@@ -829,6 +861,30 @@ impl EngineCounters {
                 SeriesKind::Counter,
                 "Time waiting for drafts.",
                 self.draft_us as f64 / 1e6,
+            ),
+            (
+                "specula_drafter_reopened_total",
+                SeriesKind::Counter,
+                "Drafter sessions re-opened on a new drafter (a hot swap) or a new life of it (a respawn).",
+                self.drafting.reopened as f64,
+            ),
+            (
+                "specula_drafter_tap_reforwards_total",
+                SeriesKind::Counter,
+                "Contexts re-forwarded to rebuild the taps a re-opened drafter session needs.",
+                self.drafting.reforwards as f64,
+            ),
+            (
+                "specula_drafter_taps_over_budget_total",
+                SeriesKind::Counter,
+                "Sessions whose kept taps went over the host's budget (re-forwarded if needed).",
+                self.drafting.taps_over_budget as f64,
+            ),
+            (
+                "specula_drafter_tap_reforward_failures_total",
+                SeriesKind::Counter,
+                "Tap re-forwards that failed (those sequences ran on without speculation).",
+                self.drafting.resync_failed as f64,
             ),
         ]
     }

@@ -18,7 +18,8 @@ use specula_models::sampling::{log_softmax, Sampler};
 use specula_models::tokenizer::{StreamDecoder, Tokenizer};
 
 use crate::generation::{
-    FinishReason, Flow, Generation, GenerationRequest, GenerationStats, TokenEvent, TokenLogprob,
+    FinishReason, Flow, Generation, GenerationError, GenerationRequest, GenerationStats,
+    TokenEvent, TokenLogprob,
 };
 use crate::grammar::Constraint;
 use crate::proposer::SessionId;
@@ -29,7 +30,7 @@ pub trait Sink {
     /// A committed token; [`Flow::Cancel`] ends the request (the consumer went away).
     fn token(&mut self, ev: TokenEvent<'_>) -> Flow;
     /// The request ended; called exactly once, last.
-    fn done(&mut self, result: Result<Generation, String>);
+    fn done(&mut self, result: Result<Generation, GenerationError>);
     /// Whether the consumer is gone already (checked before every step, so a disconnected
     /// request frees its blocks without waiting for its next token).
     fn is_closed(&self) -> bool;
@@ -193,7 +194,7 @@ impl<'t> Sequence<'t> {
     }
 
     /// Reports the result to the sink (the sequence is done with).
-    pub fn report(mut self, error: Option<String>) {
+    pub fn report(mut self, error: Option<GenerationError>) {
         let result = match error {
             Some(e) => Err(e),
             None => self.result(),
@@ -201,13 +202,13 @@ impl<'t> Sequence<'t> {
         self.sink.done(result);
     }
 
-    fn result(&mut self) -> Result<Generation, String> {
+    fn result(&mut self) -> Result<Generation, GenerationError> {
         if !self.stopped_by_string {
             // Text held back for an incomplete character or a stop string that never came.
             match self.decoder.flush() {
                 Ok(Some(piece)) => self.text.push_str(&piece),
                 Ok(None) => {}
-                Err(e) => return Err(format!("{e:#}")),
+                Err(e) => return Err(GenerationError::failed(e)),
             }
         }
         let mut stats = std::mem::take(&mut self.stats);

@@ -31,13 +31,13 @@ use specula_models::Model;
 use tracing::warn;
 
 use super::controller::{Acceptance, Candidate, Controller, CostTable};
-use super::drafting::Drafting;
+use super::drafting::{Drafting, DraftingCounters};
 use super::scheduler::{Refusal, Scheduler};
 use super::sequence::{Sequence, Sink};
 use super::tap_cache::TapCache;
 use super::target::{self, Rows, RowsOut, Target};
 use super::{Counters, EngineConfig};
-use crate::generation::{FinishReason, GenerationRequest, Speculation};
+use crate::generation::{FinishReason, GenerationError, GenerationRequest, Speculation};
 use crate::proposer::{Draft, DraftAsk, ProposerSlot, SessionId, TapRows, Verdict};
 use crate::verify::{verify, verify_greedy};
 
@@ -57,7 +57,7 @@ struct Live<'a> {
     /// Taps of the prompt so far, for the drafter's `Open`.
     prompt_taps: Option<TapRows>,
     /// Why it failed, when it did.
-    error: Option<String>,
+    error: Option<GenerationError>,
 }
 
 /// One sequence's part of the step being built.
@@ -97,6 +97,10 @@ pub struct Core<'a> {
     /// Taps of prefix-cached blocks, so tap sessions adopt cached blocks too.
     tap_cache: TapCache,
     counters: Arc<Counters>,
+    /// The drafting counters as last published (the shared totals get the difference).
+    published: DraftingCounters,
+    /// Tap re-forwards to fail on purpose ([`Core::inject_resync_failures`]).
+    resync_faults: usize,
 }
 
 impl<'a> Core<'a> {
@@ -135,7 +139,7 @@ impl<'a> Core<'a> {
         tracing::debug!(?points, "verify cost table (rows, ms)");
         let limits = config.limits(model.context_len());
         counters.set_limits(&limits);
-        let core = Core {
+        let mut core = Core {
             tokenizer,
             slot,
             target: Target::new(
@@ -150,11 +154,20 @@ impl<'a> Core<'a> {
             drafting: Drafting::default(),
             tap_cache: TapCache::new(config.tap_cache_mib << 20),
             counters,
+            published: DraftingCounters::default(),
+            resync_faults: 0,
             config,
         };
         // A core built after a panic starts from zero: the counters say so at once.
         core.publish();
         Ok(core)
+    }
+
+    /// Makes the next `n` tap re-forwards fail, as a failed forward would: for the tests of a
+    /// re-sync's failure (the sequence runs plain, the step goes on).
+    #[doc(hidden)]
+    pub fn inject_resync_failures(&mut self, n: usize) {
+        self.resync_faults = n;
     }
 
     /// Whether anything is waiting or running.
@@ -182,7 +195,7 @@ impl<'a> Core<'a> {
         let out = self.sched.offer(seq, need);
         self.publish();
         out.map_err(|(seq, refusal)| {
-            seq.report(Some(refusal.to_string()));
+            seq.report(Some(refusal.clone().into()));
             refusal
         })
     }
@@ -204,7 +217,7 @@ impl<'a> Core<'a> {
         }
         self.tap_cache.follow(self.drafting.wants());
         let mut parts = self.plan(proposer);
-        self.resync_taps(&parts)?;
+        self.resync_taps(&mut parts);
         let draft_ms = self.draft(&mut parts);
         let mut forward_ms = 0.0;
         if !parts.is_empty() {
@@ -271,7 +284,7 @@ impl<'a> Core<'a> {
                             l.seq.computed = held;
                             l.seq.stats.cached_tokens = held;
                         }
-                        Err(e) => l.error = Some(format!("{e:#}")),
+                        Err(e) => l.error = Some(GenerationError::failed(&e)),
                     }
                 }
             }
@@ -349,7 +362,7 @@ impl<'a> Core<'a> {
                 }
             }
             // Reaped (its reservation released, its error reported) after this step.
-            Err(e) => live.error = Some(format!("{e:#}")),
+            Err(e) => live.error = Some(GenerationError::failed(&e)),
         }
     }
 
@@ -446,8 +459,10 @@ impl<'a> Core<'a> {
     }
 
     /// Re-forwards the contexts of sessions about to draft on a drafter that lacks their taps
-    /// (after a hot swap), so their re-`Open` carries every position's taps.
-    fn resync_taps(&mut self, parts: &[Part]) -> anyhow::Result<()> {
+    /// (after a hot swap), so their re-`Open` carries every position's taps. A re-forward that
+    /// fails costs that sequence its speculation, not the step: it runs plain from now on, its
+    /// drafter session closed.
+    fn resync_taps(&mut self, parts: &mut [Part]) {
         let sessions: Vec<_> = parts
             .iter()
             .filter(|p| matches!(p.kind, PartKind::Decode { asked, .. } if asked > 0))
@@ -463,10 +478,32 @@ impl<'a> Core<'a> {
             };
             let ctx = &live.seq.context[..live.seq.context.len() - 1];
             let wants = self.drafting.wants().clone();
-            let taps = self.target.taps_of(r.session, ctx, &wants)?;
-            self.drafting.resync(r.session, taps);
+            let taps = match self.resync_faults.checked_sub(1) {
+                Some(left) => {
+                    self.resync_faults = left;
+                    Err(anyhow::anyhow!("a re-forward failure injected by a test"))
+                }
+                None => self.target.taps_of(r.session, ctx, &wants),
+            };
+            match taps {
+                Ok(taps) => self.drafting.resync(r.session, taps),
+                Err(e) => {
+                    warn!(
+                        session = r.session,
+                        "tap re-sync failed; the sequence runs plain: {e:#}"
+                    );
+                    self.drafting.counters.resync_failed += 1;
+                    self.drafting.close(&mut self.slot.lock(), r.session);
+                    for p in parts.iter_mut() {
+                        if let PartKind::Decode { asked, .. } = &mut p.kind {
+                            if self.live[p.at].seq.session() == r.session {
+                                *asked = 0;
+                            }
+                        }
+                    }
+                }
+            }
         }
-        Ok(())
     }
 
     /// Asks the proposer for every decode part's drafts in one call; returns its time (ms).
@@ -614,7 +651,7 @@ impl<'a> Core<'a> {
                     live.seq.stats.draft_ms += draft_ms;
                     if let Err(e) = self.finish(part, out) {
                         let live = &mut self.live[at];
-                        live.error = Some(format!("{e:#}"));
+                        live.error = Some(GenerationError::failed(&e));
                     }
                 }
                 forward_ms
@@ -625,7 +662,7 @@ impl<'a> Core<'a> {
                     let live = &mut self.live[part.at];
                     // The failed forward appended nothing that stays.
                     let _ = self.target.truncate(live.seq.session(), live.seq.computed);
-                    live.error = Some(format!("{e:#}"));
+                    live.error = Some(GenerationError::failed(&e));
                 }
                 0.0
             }
@@ -767,8 +804,11 @@ impl<'a> Core<'a> {
         }
     }
 
-    fn publish(&self) {
+    fn publish(&mut self) {
         let pool = self.target.stats();
+        let now = self.drafting.counters;
+        self.counters.drafting(&now, &self.published);
+        self.published = now;
         self.counters.publish(
             self.sched.running(),
             self.sched.waiting(),
@@ -835,16 +875,19 @@ fn guessed_costs() -> Vec<(usize, f64)> {
 }
 
 /// Why `req` cannot run at all, if it cannot.
-fn check(req: &GenerationRequest, context: usize) -> Option<String> {
+fn check(req: &GenerationRequest, context: usize) -> Option<GenerationError> {
     if let Err(e) = req.sampling.validate() {
-        return Some(format!("{e:#}"));
+        return Some(GenerationError::Invalid(format!("{e:#}")));
     }
     let n = req.prompt_ids.len();
     if n == 0 {
-        return Some("the prompt is empty".into());
+        return Some(GenerationError::Invalid("the prompt is empty".into()));
     }
     (n >= context).then(|| {
-        format!("prompt of {n} tokens does not fit the model's context of {context} tokens")
+        GenerationError::Invalid(format!(
+            "prompt of {n} tokens does not fit the model's context of {context} tokens \
+             (it needs room for at least one generated token)"
+        ))
     })
 }
 

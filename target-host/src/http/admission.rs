@@ -54,15 +54,20 @@ pub fn submit(
 }
 
 fn refused(rejected: &Rejected) -> Refused {
-    let (status, code) = match &rejected.refusal {
+    Refused {
+        error: refusal_error(&rejected.refusal),
+        retry_after: rejected.retry_after,
+    }
+}
+
+/// The status, code and message of a refusal.
+pub(super) fn refusal_error(refusal: &Refusal) -> ApiError {
+    let (status, code) = match refusal {
         Refusal::Busy { .. } => (StatusCode::TOO_MANY_REQUESTS, "server_busy"),
         Refusal::TooLarge { .. } => (StatusCode::BAD_REQUEST, "context_length_exceeded"),
         _ => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
     };
-    Refused {
-        error: ApiError::new(status, code, rejected.to_string()),
-        retry_after: rejected.retry_after,
-    }
+    ApiError::new(status, code, refusal.to_string())
 }
 
 #[cfg(test)]

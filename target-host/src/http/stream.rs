@@ -19,7 +19,7 @@ use super::error::ApiError;
 use super::metrics::Metrics;
 use super::openai_types::Usage;
 use crate::engine::Event;
-use crate::generation::{FinishReason, Generation, TokenLogprob};
+use crate::generation::{FinishReason, Generation, GenerationError, TokenLogprob};
 
 /// One generated token as the endpoints format it.
 #[derive(Debug, Clone)]
@@ -60,7 +60,7 @@ impl Tracker {
         }
     }
 
-    fn finish(&mut self, result: &Result<Generation, String>) {
+    fn finish(&mut self, result: &Result<Generation, GenerationError>) {
         self.finished = true;
         match result {
             Ok(g) => {
@@ -72,7 +72,9 @@ impl Tracker {
                     self.first_token,
                 );
             }
-            Err(_) => self.metrics.request(self.endpoint, 500),
+            Err(e) => self
+                .metrics
+                .request(self.endpoint, engine_error(e.clone()).status.as_u16()),
         }
     }
 }
@@ -80,9 +82,9 @@ impl Tracker {
 impl Tracker {
     /// Counts a request whose engine went away without finishing it (the worker panicked).
     fn lost(&mut self) -> ApiError {
-        let message = "the engine stopped before the request finished".to_string();
-        self.finish(&Err(message.clone()));
-        engine_error(message)
+        let e = GenerationError::Failed("the engine stopped before the request finished".into());
+        self.finish(&Err(e.clone()));
+        engine_error(e)
     }
 }
 
@@ -130,12 +132,20 @@ pub async fn collect(
     Err(tracker.lost())
 }
 
-fn engine_error(message: String) -> ApiError {
-    ApiError::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "generation_failed",
-        message,
-    )
+/// The answer to a request the engine ended without a generation: the client's error (400),
+/// a refusal (by its kind), or the server's failure (500).
+fn engine_error(e: GenerationError) -> ApiError {
+    match e {
+        GenerationError::Invalid(message) => {
+            ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+        }
+        GenerationError::Refused(refusal) => super::admission::refusal_error(&refusal),
+        GenerationError::Failed(message) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "generation_failed",
+            message,
+        ),
+    }
 }
 
 /// Turns engine events into the JSON payloads of one endpoint's stream chunks.
@@ -222,4 +232,36 @@ pub fn sse<C: Chunks>(
         .chain(body.flat_map(stream::iter))
         .map(Ok::<_, Infallible>);
     Sse::new(events).keep_alive(KeepAlive::default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::Refusal;
+
+    #[test]
+    fn an_engine_error_is_answered_by_its_kind() {
+        let status = |e| engine_error(e).status;
+        assert_eq!(
+            status(GenerationError::Invalid("bad top_p".into())),
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(
+            status(GenerationError::Refused(Refusal::Busy {
+                running: 1,
+                waiting: 2
+            })),
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        assert_eq!(
+            status(GenerationError::Refused(Refusal::TooLarge {
+                need: 9,
+                pool: 4
+            })),
+            StatusCode::BAD_REQUEST
+        );
+        let failed = engine_error(GenerationError::Failed("the forward failed".into()));
+        assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(failed.message, "the forward failed");
+    }
 }
