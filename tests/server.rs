@@ -432,6 +432,15 @@ fn health_models_and_metrics() {
     );
     assert_eq!(value("specula_queue_depth"), 0.0);
     assert_eq!(value("specula_time_to_first_token_seconds_count"), 1.0);
+    // A plain request re-opens no drafter and re-forwards nothing.
+    for series in [
+        "specula_drafter_reopened_total",
+        "specula_drafter_tap_reforwards_total",
+        "specula_drafter_taps_over_budget_total",
+        "specula_drafter_tap_reforward_failures_total",
+    ] {
+        assert_eq!(value(series), 0.0, "{series}");
+    }
     // Drafter families appear with a drafter (see the hot-swap test).
     for family in [
         "specula_time_per_output_token_seconds",
