@@ -170,21 +170,8 @@ fn main() -> anyhow::Result<()> {
             cache.trim(k)?;
         }
     }
-    // The minimum is the run least disturbed by other processes: on a loaded machine its
-    // ratios are the steadier ones.
-    let mut base = None;
-    for ((&k, times), cpu) in args.chunks.iter().zip(times).zip(cpu) {
-        let min = times.iter().copied().fold(f64::INFINITY, f64::min);
-        let (ms, cpu) = (median(times), median(cpu));
-        let (b_med, b_min, b_cpu) = *base.get_or_insert((ms, min, cpu));
-        println!(
-            "chunk {k:>2} @ ctx {}: median {ms:7.2} ms (ratio {:.2})  min {min:7.2} ms (ratio {:.2})  cpu {cpu:7.2} ms (ratio {:.2})",
-            args.context,
-            ms / b_med,
-            min / b_min,
-            cpu / b_cpu
-        );
-    }
+    let labels = args.chunks.iter().map(|k| format!("chunk {k:>2}"));
+    print_curve(labels, args.context, times, cpu);
     if !args.seqs.is_empty() {
         seqs(&model, &args, &prompt)?;
     }
@@ -245,18 +232,30 @@ fn seqs(model: &Model, args: &Args, prompt: &[u32]) -> anyhow::Result<()> {
             }
         }
     }
+    let labels = args.seqs.iter().map(|s| format!("seqs  {s:>2} x 1 row"));
+    print_curve(labels, args.context, times, cpu);
+    Ok(())
+}
+
+/// One line per point of a curve: median, minimum and CPU time, each with its ratio to the
+/// first point's. The minimum is the run least disturbed by other processes: on a loaded
+/// machine its ratios are the steadier ones.
+fn print_curve(
+    labels: impl Iterator<Item = String>,
+    context: usize,
+    times: Vec<Vec<f64>>,
+    cpu: Vec<Vec<f64>>,
+) {
     let mut base = None;
-    for ((&s, times), cpu) in args.seqs.iter().zip(times).zip(cpu) {
+    for ((label, times), cpu) in labels.zip(times).zip(cpu) {
         let min = times.iter().copied().fold(f64::INFINITY, f64::min);
         let (ms, cpu) = (median(times), median(cpu));
         let (b_med, b_min, b_cpu) = *base.get_or_insert((ms, min, cpu));
         println!(
-            "seqs  {s:>2} x 1 row @ ctx {}: median {ms:7.2} ms (ratio {:.2})  min {min:7.2} ms (ratio {:.2})  cpu {cpu:7.2} ms (ratio {:.2})",
-            args.context,
+            "{label} @ ctx {context}: median {ms:7.2} ms (ratio {:.2})  min {min:7.2} ms (ratio {:.2})  cpu {cpu:7.2} ms (ratio {:.2})",
             ms / b_med,
             min / b_min,
             cpu / b_cpu
         );
     }
-    Ok(())
 }

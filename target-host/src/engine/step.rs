@@ -472,12 +472,12 @@ impl<'a> Core<'a> {
             let cur = self.slot.lock();
             self.drafting.needs_reforward(&cur, &sessions)
         };
+        let wants = self.drafting.wants().clone();
         for r in todo {
             let Some(live) = self.live.iter().find(|l| l.seq.session() == r.session) else {
                 continue;
             };
             let ctx = &live.seq.context[..live.seq.context.len() - 1];
-            let wants = self.drafting.wants().clone();
             let taps = match self.resync_faults.checked_sub(1) {
                 Some(left) => {
                     self.resync_faults = left;

@@ -74,7 +74,7 @@ impl Tracker {
             }
             Err(e) => self
                 .metrics
-                .request(self.endpoint, engine_error(e.clone()).status.as_u16()),
+                .request(self.endpoint, engine_error(e).status.as_u16()),
         }
     }
 }
@@ -83,8 +83,9 @@ impl Tracker {
     /// Counts a request whose engine went away without finishing it (the worker panicked).
     fn lost(&mut self) -> ApiError {
         let e = GenerationError::Failed("the engine stopped before the request finished".into());
-        self.finish(&Err(e.clone()));
-        engine_error(e)
+        let answer = engine_error(&e);
+        self.finish(&Err(e));
+        answer
     }
 }
 
@@ -125,7 +126,7 @@ pub async fn collect(
             }
             Event::Done(result) => {
                 tracker.finish(&result);
-                return result.map(|g| (g, tokens)).map_err(engine_error);
+                return result.map(|g| (g, tokens)).map_err(|e| engine_error(&e));
             }
         }
     }
@@ -134,12 +135,12 @@ pub async fn collect(
 
 /// The answer to a request the engine ended without a generation: the client's error (400),
 /// a refusal (by its kind), or the server's failure (500).
-fn engine_error(e: GenerationError) -> ApiError {
+fn engine_error(e: &GenerationError) -> ApiError {
     match e {
         GenerationError::Invalid(message) => {
             ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
         }
-        GenerationError::Refused(refusal) => super::admission::refusal_error(&refusal),
+        GenerationError::Refused(refusal) => super::admission::refusal_error(refusal),
         GenerationError::Failed(message) => ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "generation_failed",
@@ -215,7 +216,7 @@ pub fn sse<C: Chunks>(
                         }
                         out
                     }
-                    Err(e) => vec![data(&chunks.error(&engine_error(e)))],
+                    Err(e) => vec![data(&chunks.error(&engine_error(&e)))],
                 }
             }
             None => {
@@ -241,7 +242,7 @@ mod tests {
 
     #[test]
     fn an_engine_error_is_answered_by_its_kind() {
-        let status = |e| engine_error(e).status;
+        let status = |e| engine_error(&e).status;
         assert_eq!(
             status(GenerationError::Invalid("bad top_p".into())),
             StatusCode::BAD_REQUEST
@@ -260,7 +261,7 @@ mod tests {
             })),
             StatusCode::BAD_REQUEST
         );
-        let failed = engine_error(GenerationError::Failed("the forward failed".into()));
+        let failed = engine_error(&GenerationError::Failed("the forward failed".into()));
         assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
         assert_eq!(failed.message, "the forward failed");
     }
