@@ -61,7 +61,7 @@ def plot(history: list[dict], path: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kinds = [k for k in ("dflash", "dspark", "mtp", "assistant") if history and k in history[0]]
+    kinds = [k for k, v in history[0].items() if isinstance(v, dict)] if history else []
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
     for k in kinds:
         steps = [r["step"] for r in history]
@@ -115,6 +115,10 @@ def main():
     ap.add_argument("--steps", type=int, help="fixed step count (default: sized from --train-seconds)")
     ap.add_argument("--tokens-per-batch", type=int, default=24576)
     ap.add_argument("--anchors", type=int, default=32)
+    ap.add_argument("--lr", default="", help="KIND=LR[,KIND=LR]: peak learning rates other than the defaults")
+    ap.add_argument("--dflash-loss", choices=["ce", "kl"], default="ce",
+                    help="DFlash's loss: CE on the answer token (the reference's), or KL to the target's "
+                         "distribution + 0.1 CE (distilled)")
     ap.add_argument("--tag-repeat", default="", help="e.g. chat=2,summarise=2: those prompts twice per epoch")
     ap.add_argument("--no-cache-states", dest="cache_states", action="store_false",
                     help="run the target every step instead of caching its taps on the device")
@@ -177,11 +181,14 @@ def main():
     log(f"data: {json.dumps(status['data'])}")
 
     # -------- train
-    from .train import Trainer
+    from .train import Trainer, base_kind
 
     configs = configs_for(target.cfg, a)
     hp = {
-        "seed": a.seed, "lr": {"dflash": 6e-4, "dspark": 6e-4, "mtp": 5e-4, "assistant": 6e-4},
+        "seed": a.seed,
+        "lr": {"dflash": 6e-4, "dspark": 6e-4, "mtp": 5e-4, "assistant": 6e-4}
+        | {k: float(v) for k, v in (x.split("=") for x in a.lr.split(",") if x)},
+        "dflash_loss": a.dflash_loss,
         "gamma": {"dflash": 4.0, "dspark": 4.0, "assistant": 4.0}, "anchors": a.anchors,
         "assistant_steps": a.assistant_steps, "assistant_anchors": a.assistant_anchors, "init": dict(x.split("=", 1) for x in a.init.split(",") if x),
         "tag_repeat": {t: int(n) for t, n in (x.split("=") for x in a.tag_repeat.split(",") if x)},
@@ -226,12 +233,12 @@ def main():
             return finish(a, status, log, timing)
         t0 = time.time()
         m = tr.models[k]
-        if k == "mtp":
+        if base_kind(k) == "mtp":
             metrics[k] = evaluate.evaluate_mtp(m, target, data, device)
-        elif k == "assistant":
+        elif base_kind(k) == "assistant":
             metrics[k] = evaluate.evaluate_assistant(m, target, data, device)
         else:
-            metrics[k] = evaluate.evaluate_block(k, m, target, data, device)
+            metrics[k] = evaluate.evaluate_block(base_kind(k), m, target, data, device)
         spent(f"eval_{k}", t0)
         metrics_path.write_text(json.dumps(metrics, indent=1))
         log(f"eval {k}: " + json.dumps(headline(k, metrics[k])))
@@ -248,7 +255,7 @@ def main():
     for k in kinds:
         d = a.work / "export" / k
         quant = None if a.quant == "bf16" else a.quant
-        info = export.write(k, tr.models[k], configs[k], target.cfg, fp, d, recipe(k, summary), quant)
+        info = export.write(base_kind(k), tr.models[k], configs[base_kind(k)], target.cfg, fp, d, recipe(k, summary), quant)
         summary.setdefault("export", {})[k] = info
         with tarfile.open(a.out / f"{k}.tar", "w") as t:
             for n in ("config.json", "model.safetensors", "SHA256SUMS", "RECIPE.md"):
@@ -281,6 +288,8 @@ def recipe(kind: str, s: dict) -> str:
         f"--assistant-anchors {a['assistant_anchors']} --quant {a['quant']} "
         + (f"--tag-repeat {a['tag_repeat']} " if a.get("tag_repeat") else "")
         + (f"--init {a['init']} " if a.get("init") else "")
+        + (f"--lr {a['lr']} " if a.get("lr") else "")
+        + (f"--dflash-loss {a['dflash_loss']} " if a.get("dflash_loss", "ce") != "ce" else "")
         + (f"--steps {a['steps']} " if a.get("steps") else f"--train-seconds {a['train_seconds']} ")
         + f"--tokens-per-batch {a['tokens_per_batch']} --anchors {a['anchors']}",
         "```", "",

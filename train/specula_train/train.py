@@ -7,7 +7,8 @@ confidence labels, MTP's KL). The drafters have disjoint parameters and optimize
 them together equals training each alone on the same batches.
 
 Losses (per the references):
-  DFlash: CE on slots 1..B-1, weights exp(-(k-1)/gamma) (DFlash §5, gamma 4 at block 8).
+  DFlash: CE on slots 1..B-1, weights exp(-(k-1)/gamma) (DFlash §5, gamma 4 at block 8); with
+          hp["dflash_loss"] = "kl", KL to the target's distribution + 0.1*CE instead.
   DSpark: slots 0..g-1 (the anchor slot predicts), weights exp(-k/gamma) from k = 0 as DeepSpec's
           code does; 0.1*CE + 0.9*TV(p_draft, p_target) + 1.0*BCE(conf, 1 - TV detached).
   MTP:    KL to the target's next-next distribution + 0.1*CE on the response token.
@@ -36,6 +37,12 @@ from .target import Target
 
 
 KINDS = {"dflash": DFlash, "dspark": DSpark, "mtp": MTP, "assistant": Assistant}
+
+
+def base_kind(k: str) -> str:
+    """A variant `KIND_TAG` (e.g. `dflash_ce`: a second DFlash trained on the same batches with
+    CE, for an A/B in one run) is a model of kind KIND."""
+    return k.split("_", 1)[0]
 
 
 class Schedule:
@@ -69,32 +76,34 @@ class Trainer:
         self.models, self.opts = {}, {}
         torch.manual_seed(hp["seed"])
         for k in kinds:
-            c = configs[k]
-            m = KINDS[k](c)
+            kind = base_kind(k)
+            c = configs[kind]
+            m = KINDS[kind](c)
             init_weights(m)
-            if k == "dspark":
+            if kind == "dspark":
                 torch.nn.init.zeros_(m.markov_head.markov_w2.weight)
-            if k in ("dflash", "dspark"):
+            if kind in ("dflash", "dspark"):
                 with torch.no_grad():
                     m.mask_embedding.copy_(target.embed.float().mean(0))
-            if k == "mtp":
+            if kind == "mtp":
                 # The block starts as the target's last layer (a known-good llama block).
                 sd = {n: w.float() for n, w in target.layer_weights(target.cfg.num_layers - 1).items()}
                 m.load_state_dict(sd, strict=False)
-            if k == "assistant":
+            if kind == "assistant":
                 # Scale 1.0 attention: q_norm's weight is the 1/sqrt(d) a plain layer would apply.
                 with torch.no_grad():
                     for layer in m.model.layers:
                         layer.self_attn.q_norm.weight.fill_(layer.head_dim**-0.5)
-            if k in (hp.get("init") or {}):
+            init = (hp.get("init") or {}).get(k) or (hp.get("init") or {}).get(kind)
+            if init:
                 from .twin_drafts import load_drafter
 
-                start, _ = load_drafter(Path(hp["init"][k]))
+                start, _ = load_drafter(Path(init))
                 m.load_state_dict(start.state_dict())  # a shape mismatch stops here, naming the tensor
             m.to(device)
             self.models[k] = m
             self.opts[k] = torch.optim.AdamW(
-                m.parameters(), lr=hp["lr"][k], betas=(0.9, 0.95), weight_decay=0.01, fused=device != "cpu"
+                m.parameters(), lr=hp["lr"].get(k, hp["lr"][kind]), betas=(0.9, 0.95), weight_decay=0.01, fused=device != "cpu"
             )
         self.step, self.total = 0, hp.get("steps")
         self.history: list[dict] = []
@@ -143,15 +152,15 @@ class Trainer:
     # ------------------------------------------------------------ losses
     def tap_ids(self) -> list[int]:
         ids = set()
-        for k in ("dflash", "dspark"):
-            if k in self.models:
-                ids.update(self.models[k].config["dflash_config"]["target_layer_ids"])
+        for k, m in self.models.items():
+            if base_kind(k) in ("dflash", "dspark"):
+                ids.update(m.config["dflash_config"]["target_layer_ids"])
         return sorted(ids)
 
     def taps_for(self, m, taps):
         return torch.cat([taps[i] for i in m.config["dflash_config"]["target_layer_ids"]], -1)
 
-    def loss_dflash(self, m: DFlash, ids, lens, plens, taps, gen):
+    def loss_dflash(self, m: DFlash, ids, lens, plens, taps, final, gen, mode="ce"):
         c, Bk = m.config, m.config["block_size"]
         anchors, valid = sample_anchors(lens, plens, self.hp["anchors"], 1, gen)
         B, A = anchors.shape
@@ -170,12 +179,27 @@ class Trainer:
         sel = ok.nonzero(as_tuple=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):
             logits = (h[sel] @ self.t.lm_head.T.to(h.dtype)).float()
-        ce = F.cross_entropy(logits, labels[sel], reduction="none")
         ww = w[sel]
-        loss = (ce * ww).sum() / ww.sum()
+        info = {}
+        if mode == "kl":
+            # Distilled: KL to the target's own distribution for that token (its final hidden one
+            # position earlier) + 0.1 CE, as MTP and the assistant train. The sampled answers'
+            # tokens are not the target's argmax; its distribution is what greedy verify scores.
+            b, lp = sel[0], lpos[sel]
+            with torch.no_grad():
+                pt = (final[b, lp - 1] @ self.t.lm_head.T).float().softmax(-1)
+            logp = logits.log_softmax(-1)
+            kl = (pt * (pt.clamp_min(1e-12).log() - logp)).sum(-1)
+            ce = F.nll_loss(logp, labels[sel], reduction="none")
+            per = kl + 0.1 * ce
+            info["kl"] = (kl.detach() * ww).sum() / ww.sum()
+        else:
+            ce = F.cross_entropy(logits, labels[sel], reduction="none")
+            per = ce
+        loss = (per * ww).sum() / ww.sum()
         hit = (logits.argmax(-1) == labels[sel]).float()
         slot = sel[2]
-        return loss, {"loss": loss.detach(), "acc1": hit[slot == 0].mean(), "acc": hit.mean()}
+        return loss, {"loss": loss.detach(), "acc1": hit[slot == 0].mean(), "acc": hit.mean()} | info
 
     def loss_dspark(self, m: DSpark, ids, lens, plens, taps, final, gen):
         c, g = m.config, m.config["block_size"]
@@ -334,14 +358,16 @@ class Trainer:
         rec = {"step": self.step, "rows": len(rows), "tokens": int(lens.sum())}
         for k, m in self.models.items():
             opt = self.opts[k]
-            lr = self.hp["lr"][k] * self.sched(self.step)
+            kind = base_kind(k)
+            lr = self.hp["lr"].get(k, self.hp["lr"][kind]) * self.sched(self.step)
             for gr in opt.param_groups:
                 gr["lr"] = lr
-            if k == "dflash":
-                loss, info = self.loss_dflash(m, ids, lens, plens, taps, gen)
-            elif k == "dspark":
+            if kind == "dflash":
+                mode = k.split("_", 1)[1] if "_" in k else self.hp.get("dflash_loss", "ce")
+                loss, info = self.loss_dflash(m, ids, lens, plens, taps, final, gen, mode)
+            elif kind == "dspark":
                 loss, info = self.loss_dspark(m, ids, lens, plens, taps, final, gen)
-            elif k == "assistant":
+            elif kind == "assistant":
                 loss, info = self.loss_assistant(m, ids, lens, plens, final, kv, gen)
             else:
                 loss, info = self.loss_mtp(m, ids, lens, plens, final)
@@ -441,7 +467,7 @@ def to_floats(recs: list[dict]) -> list[dict]:
 
 def summary(rec: dict, total) -> str:
     parts = [f"step {rec['step'] + 1}/{total}"]
-    for k in KINDS:
-        if k in rec:
+    for k, v in rec.items():
+        if isinstance(v, dict):
             parts.append(f"{k} loss {rec[k]['loss']:.3f} acc1 {rec[k]['acc1']:.3f}")
     return " | ".join(parts)

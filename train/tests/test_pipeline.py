@@ -135,6 +135,42 @@ def test_every_kind_trains_a_few_steps_and_its_loss_falls(tmp_path):
         assert last < 0.9 * first, (k, first, last)
 
 
+def test_dflash_variants_train_side_by_side(tmp_path):
+    """`dflash_kl` (KL to the target + 0.1 CE) and `dflash_ce` train as two DFlash models on the
+    same batches; both learn, and both export and evaluate as DFlash."""
+    from specula_train.run import configs_for
+    from specula_train.train import Trainer, to_floats
+    from specula_train.gen import Data
+
+    t = tiny_target()
+    g = torch.Generator().manual_seed(5)
+    prompts_ = [torch.randint(3, TC.vocab_size, (int(n),), generator=g).tolist() for n in torch.randint(4, 12, (24,), generator=g)]
+    answers = t.generate(prompts_, 24, stop_ids=set(), temperature=torch.zeros(len(prompts_)))
+    seqs = [p + a for p, a in zip(prompts_, answers)]
+    torch.save({
+        "ids": torch.tensor([x for q in seqs for x in q], dtype=torch.int32),
+        "offsets": torch.tensor([0] + [len(q) for q in seqs]).cumsum(0),
+        "prompt_lens": torch.tensor([len(p) for p in prompts_]), "tags": torch.zeros(24, dtype=torch.long),
+        "splits": torch.zeros(24, dtype=torch.long), "sampled": torch.zeros(24, dtype=torch.bool),
+        "meta": {"tags": ["chat"], "splits": ["train", "heldout", "bench"], "eos_id": 2},
+    }, tmp_path / "d.pt")
+    data = Data(tmp_path / "d.pt")
+    hp = dict(HP, steps=30, tokens_per_batch=900, rows_per_batch=24, lr=dict(HP["lr"], dflash_kl=2e-3))
+    tr = Trainer(t, data, ["dflash_ce", "dflash_kl"], configs_for(TC, ARGS), hp, "cpu")
+    assert tr.opts["dflash_kl"].param_groups[0]["lr"] == 2e-3
+    tr.cache_target_states()
+    recs = to_floats([tr.train_step() for _ in range(30)])
+    assert "kl" in recs[0]["dflash_kl"] and "kl" not in recs[0]["dflash_ce"]
+    for k in ("dflash_ce", "dflash_kl"):
+        first = sum(r[k]["loss"] for r in recs[:3]) / 3
+        last = sum(r[k]["loss"] for r in recs[-3:]) / 3
+        assert last < 0.9 * first, (k, first, last)
+    d = tmp_path / "x"
+    export.write("dflash", tr.models["dflash_kl"], configs_for(TC, ARGS)["dflash"], TC, "f" * 64, d, "")
+    back, _ = load_drafter(d)
+    assert type(back) is DFlash
+
+
 def test_assistant_acceptance_equals_chained_drafting():
     """The teacher-forced unroll behind evaluate_assistant counts exactly the drafts a chained
     drafter (each draft the next step's input) gets accepted."""
