@@ -32,7 +32,7 @@ struct Args {
     #[arg(long, default_value_t = 256)]
     context: usize,
     /// Prompt lengths whose prefill is timed (median of `--prefill-runs`, in the model's
-    /// prefill chunks); empty to skip.
+    /// prefill chunks); none when the flag is left out.
     #[arg(long, value_delimiter = ',')]
     prefill: Vec<usize>,
     /// Runs per prefill length.
@@ -48,7 +48,8 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
     chunks: Vec<usize>,
     /// Sequence counts timed as one packed forward of one decode row each, every sequence at
-    /// `--context` (ratios against a one-row step of one sequence); empty to skip.
+    /// `--context` (ratios against a one-row step of one sequence); none when the flag is left
+    /// out.
     #[arg(long, value_delimiter = ',')]
     seqs: Vec<usize>,
 }
