@@ -25,6 +25,30 @@ pub(super) const LANES: usize = 16;
 /// rows (a verify window of 8 reads the weights once).
 pub(super) const ROWS: usize = 8;
 
+/// `$ys.copy_from_slice(&$call)` with `$r` a `const usize` equal to `$a.len()` (1 to
+/// [`ROWS`]; more is [`ROWS`]): the SIMD kernels take their row count as a const parameter,
+/// so each count gets its own unrolled build. `$call` may name `$r` and borrow
+/// `$a.try_into().unwrap()` as `&[_; $r]`.
+macro_rules! by_rows {
+    ($a:expr, $ys:expr, |$r:ident| $call:expr) => {
+        match $a.len() {
+            1 => by_rows!(@ 1, $ys, $r, $call),
+            2 => by_rows!(@ 2, $ys, $r, $call),
+            3 => by_rows!(@ 3, $ys, $r, $call),
+            4 => by_rows!(@ 4, $ys, $r, $call),
+            5 => by_rows!(@ 5, $ys, $r, $call),
+            6 => by_rows!(@ 6, $ys, $r, $call),
+            7 => by_rows!(@ 7, $ys, $r, $call),
+            _ => by_rows!(@ 8, $ys, $r, $call),
+        }
+    };
+    (@ $n:literal, $ys:expr, $r:ident, $call:expr) => {{
+        const $r: usize = $n;
+        $ys.copy_from_slice(&$call)
+    }};
+}
+pub(super) use by_rows;
+
 /// Most activation rows per pass on any path (the `amx` tile kernels' rows).
 pub(super) const MAX_ROWS: usize = 16;
 

@@ -35,6 +35,8 @@
 use candle_core::quantized::GgmlDType;
 use half::f16;
 
+#[cfg(target_arch = "x86_64")]
+use super::groups::by_rows;
 use super::groups::{Groups, LANES, ROWS};
 use super::kquant::{ActRow, QK_K};
 use crate::layers::simd::Isa;
@@ -165,18 +167,7 @@ fn group_dot(isa: Isa, group: &[u8], a: &[ActRow<'_>], ys: &mut [[f32; LANES]]) 
         // of the rows' width (checked by `matmul`).
         macro_rules! go {
             ($kernel:ident) => {
-                unsafe {
-                    match a.len() {
-                        1 => ys.copy_from_slice(&x86::$kernel::<1>(group, a.try_into().unwrap())),
-                        2 => ys.copy_from_slice(&x86::$kernel::<2>(group, a.try_into().unwrap())),
-                        3 => ys.copy_from_slice(&x86::$kernel::<3>(group, a.try_into().unwrap())),
-                        4 => ys.copy_from_slice(&x86::$kernel::<4>(group, a.try_into().unwrap())),
-                        5 => ys.copy_from_slice(&x86::$kernel::<5>(group, a.try_into().unwrap())),
-                        6 => ys.copy_from_slice(&x86::$kernel::<6>(group, a.try_into().unwrap())),
-                        7 => ys.copy_from_slice(&x86::$kernel::<7>(group, a.try_into().unwrap())),
-                        _ => ys.copy_from_slice(&x86::$kernel::<8>(group, a.try_into().unwrap())),
-                    }
-                }
+                unsafe { by_rows!(a, ys, |R| x86::$kernel::<R>(group, a.try_into().unwrap())) }
             };
         }
         match isa.level() {

@@ -30,6 +30,8 @@
 use candle_core::quantized::GgmlDType;
 use half::f16;
 
+#[cfg(target_arch = "x86_64")]
+use super::groups::by_rows;
 use super::groups::{rows_per_pass, Groups, LANES};
 use super::ActRow;
 use crate::layers::simd::Isa;
@@ -255,34 +257,7 @@ fn group_dot(
         // rows' width (the caller checked `k`).
         macro_rules! rows {
             ($kernel:ident, $k:literal) => {
-                unsafe {
-                    match a.len() {
-                        1 => {
-                            ys.copy_from_slice(&x86::$kernel::<1, $k>(group, a.try_into().unwrap()))
-                        }
-                        2 => {
-                            ys.copy_from_slice(&x86::$kernel::<2, $k>(group, a.try_into().unwrap()))
-                        }
-                        3 => {
-                            ys.copy_from_slice(&x86::$kernel::<3, $k>(group, a.try_into().unwrap()))
-                        }
-                        4 => {
-                            ys.copy_from_slice(&x86::$kernel::<4, $k>(group, a.try_into().unwrap()))
-                        }
-                        5 => {
-                            ys.copy_from_slice(&x86::$kernel::<5, $k>(group, a.try_into().unwrap()))
-                        }
-                        6 => {
-                            ys.copy_from_slice(&x86::$kernel::<6, $k>(group, a.try_into().unwrap()))
-                        }
-                        7 => {
-                            ys.copy_from_slice(&x86::$kernel::<7, $k>(group, a.try_into().unwrap()))
-                        }
-                        _ => {
-                            ys.copy_from_slice(&x86::$kernel::<8, $k>(group, a.try_into().unwrap()))
-                        }
-                    }
-                }
+                unsafe { by_rows!(a, ys, |R| x86::$kernel::<R, $k>(group, a.try_into().unwrap())) }
             };
         }
         macro_rules! go {
