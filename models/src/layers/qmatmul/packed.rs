@@ -257,7 +257,12 @@ fn group_dot(
         // rows' width (the caller checked `k`).
         macro_rules! rows {
             ($kernel:ident, $k:literal) => {
-                unsafe { by_rows!(a, ys, |R| x86::$kernel::<R, $k>(group, a.try_into().unwrap())) }
+                unsafe {
+                    by_rows!(a, ys, |R| x86::$kernel::<R, $k>(
+                        group,
+                        a.try_into().unwrap()
+                    ))
+                }
             };
         }
         macro_rules! go {
