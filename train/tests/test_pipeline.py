@@ -101,15 +101,12 @@ def test_cached_target_states_equal_the_per_step_forward(tmp_path):
         torch.testing.assert_close(got.transpose(1, 2)[valid], want.transpose(1, 2)[valid], atol=1e-5, rtol=1e-5)
 
 
-def test_every_kind_trains_a_few_steps_and_its_loss_falls(tmp_path):
-    from specula_train.bench import synthetic_data
-    from specula_train.run import configs_for
-    from specula_train.train import Trainer
-
+def self_distilled(tmp_path):
+    """A tiny target and a data set of its own greedy answers to 24 random prompts, as the real
+    set: every kind has something to learn."""
     from specula_train.gen import Data
 
     t = tiny_target()
-    # Answers by the target itself (greedy), as the real set: every kind has something to learn.
     g = torch.Generator().manual_seed(5)
     prompts_ = [torch.randint(3, TC.vocab_size, (int(n),), generator=g).tolist() for n in torch.randint(4, 12, (24,), generator=g)]
     answers = t.generate(prompts_, 24, stop_ids=set(), temperature=torch.zeros(len(prompts_)))
@@ -122,6 +119,14 @@ def test_every_kind_trains_a_few_steps_and_its_loss_falls(tmp_path):
         "meta": {"tags": ["chat"], "splits": ["train", "heldout", "bench"], "eos_id": 2},
     }, tmp_path / "d.pt")
     data = Data(tmp_path / "d.pt")
+    return t, data
+
+
+def test_every_kind_trains_a_few_steps_and_its_loss_falls(tmp_path):
+    from specula_train.run import configs_for
+    from specula_train.train import Trainer
+
+    t, data = self_distilled(tmp_path)
     hp = dict(HP, steps=30, tokens_per_batch=900, rows_per_batch=24)
     tr = Trainer(t, data, ["dflash", "dspark", "mtp", "assistant"], configs_for(TC, ARGS), hp, "cpu")
     tr.cache_target_states()
@@ -140,21 +145,8 @@ def test_dflash_variants_train_side_by_side(tmp_path):
     same batches; both learn, and both export and evaluate as DFlash."""
     from specula_train.run import configs_for
     from specula_train.train import Trainer, to_floats
-    from specula_train.gen import Data
 
-    t = tiny_target()
-    g = torch.Generator().manual_seed(5)
-    prompts_ = [torch.randint(3, TC.vocab_size, (int(n),), generator=g).tolist() for n in torch.randint(4, 12, (24,), generator=g)]
-    answers = t.generate(prompts_, 24, stop_ids=set(), temperature=torch.zeros(len(prompts_)))
-    seqs = [p + a for p, a in zip(prompts_, answers)]
-    torch.save({
-        "ids": torch.tensor([x for q in seqs for x in q], dtype=torch.int32),
-        "offsets": torch.tensor([0] + [len(q) for q in seqs]).cumsum(0),
-        "prompt_lens": torch.tensor([len(p) for p in prompts_]), "tags": torch.zeros(24, dtype=torch.long),
-        "splits": torch.zeros(24, dtype=torch.long), "sampled": torch.zeros(24, dtype=torch.bool),
-        "meta": {"tags": ["chat"], "splits": ["train", "heldout", "bench"], "eos_id": 2},
-    }, tmp_path / "d.pt")
-    data = Data(tmp_path / "d.pt")
+    t, data = self_distilled(tmp_path)
     hp = dict(HP, steps=30, tokens_per_batch=900, rows_per_batch=24, lr=dict(HP["lr"], dflash_kl=2e-3))
     tr = Trainer(t, data, ["dflash_ce", "dflash_kl"], configs_for(TC, ARGS), hp, "cpu")
     assert tr.opts["dflash_kl"].param_groups[0]["lr"] == 2e-3
