@@ -25,10 +25,11 @@ pub(super) const LANES: usize = 16;
 /// rows (a verify window of 8 reads the weights once).
 pub(super) const ROWS: usize = 8;
 
-/// `$ys.copy_from_slice(&$call)` with `$r` a `const usize` equal to `$a.len()` (1 to
-/// [`ROWS`]; more is [`ROWS`]): the SIMD kernels take their row count as a const parameter,
-/// so each count gets its own unrolled build. `$call` may name `$r` and borrow
-/// `$a.try_into().unwrap()` as `&[_; $r]`.
+/// `$ys.copy_from_slice(&$call)` with `$r` a `const usize` equal to `$a.len()`, which must be
+/// 1 to 8 ([`ROWS`]; anything else makes `$call`'s `try_into` panic): the SIMD kernels take
+/// their row count as a const parameter, so each count gets its own unrolled build. `$call`
+/// may name `$r` and borrow `$a.try_into().unwrap()` as `&[_; $r]`.
+#[cfg(target_arch = "x86_64")]
 macro_rules! by_rows {
     ($a:expr, $ys:expr, |$r:ident| $call:expr) => {
         match $a.len() {
@@ -47,7 +48,10 @@ macro_rules! by_rows {
         $ys.copy_from_slice(&$call)
     }};
 }
+#[cfg(target_arch = "x86_64")]
 pub(super) use by_rows;
+
+const _: () = assert!(ROWS == 8, "by_rows! has one arm per row count up to ROWS");
 
 /// Most activation rows per pass on any path (the `amx` tile kernels' rows).
 pub(super) const MAX_ROWS: usize = 16;
