@@ -146,6 +146,12 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     log(f"device {device} {torch.cuda.get_device_name() if device == 'cuda' else ''}; kinds {a.kinds}")
     kinds = a.kinds.split(",")
+    # Checked before any stage runs: a misspelt --lr key would otherwise be ignored silently.
+    from .train import base_kind
+
+    lrs = {k: float(v) for k, v in (x.split("=") for x in a.lr.split(",") if x)}
+    if bad := sorted(set(lrs) - (set(kinds) | {base_kind(k) for k in kinds})):
+        raise SystemExit(f"--lr names {', '.join(bad)}: not a trained kind (training {', '.join(kinds)})")
     t0 = time.time()
     target = load_target(a.gguf, a.work, device)
     spent("load_target", t0)
@@ -187,7 +193,7 @@ def main():
     hp = {
         "seed": a.seed,
         "lr": {"dflash": 6e-4, "dspark": 6e-4, "mtp": 5e-4, "assistant": 6e-4}
-        | {k: float(v) for k, v in (x.split("=") for x in a.lr.split(",") if x)},
+        | lrs,
         "dflash_loss": a.dflash_loss,
         "gamma": {"dflash": 4.0, "dspark": 4.0, "assistant": 4.0}, "anchors": a.anchors,
         "assistant_steps": a.assistant_steps, "assistant_anchors": a.assistant_anchors, "init": dict(x.split("=", 1) for x in a.init.split(",") if x),
@@ -241,7 +247,7 @@ def main():
             metrics[k] = evaluate.evaluate_block(base_kind(k), m, target, data, device)
         spent(f"eval_{k}", t0)
         metrics_path.write_text(json.dumps(metrics, indent=1))
-        log(f"eval {k}: " + json.dumps(headline(k, metrics[k])))
+        log(f"eval {k}: " + json.dumps(headline(base_kind(k), metrics[k])))
 
     # -------- export
     status["stage"] = "export"
@@ -294,7 +300,7 @@ def recipe(kind: str, s: dict) -> str:
         + f"--tokens-per-batch {a['tokens_per_batch']} --anchors {a['anchors']}",
         "```", "",
         f"- seed {a['seed']}; steps {s['train']['steps']}; training wall time {s['train']['elapsed_s']:.0f} s "
-        f"(all kinds trained jointly on the same batches, from one cached pass of the target over the data)",
+        f"(all kinds trained jointly on the same batches, from the cached passes of the target over the data)",
         f"- device time by stage (s): {json.dumps({k: round(v) for k, v in s['timing_s'].items()})}",
         f"- data: {json.dumps(s['data'])}",
         "- data recipe: prompts from Debian python3.11-doc, linux-doc-6.1, bible-kjv, wordnet-base "

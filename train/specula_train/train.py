@@ -363,7 +363,9 @@ class Trainer:
             for gr in opt.param_groups:
                 gr["lr"] = lr
             if kind == "dflash":
-                mode = k.split("_", 1)[1] if "_" in k else self.hp.get("dflash_loss", "ce")
+                # A `_ce` / `_kl` variant names its loss; any other model takes --dflash-loss.
+                tag = k.partition("_")[2]
+                mode = tag if tag in ("ce", "kl") else self.hp.get("dflash_loss", "ce")
                 loss, info = self.loss_dflash(m, ids, lens, plens, taps, final, gen, mode)
             elif kind == "dspark":
                 loss, info = self.loss_dspark(m, ids, lens, plens, taps, final, gen)

@@ -142,17 +142,19 @@ def test_every_kind_trains_a_few_steps_and_its_loss_falls(tmp_path):
 
 def test_dflash_variants_train_side_by_side(tmp_path):
     """`dflash_kl` (KL to the target + 0.1 CE) and `dflash_ce` train as two DFlash models on the
-    same batches; both learn, and both export and evaluate as DFlash."""
+    same batches and both learn; a plain `dflash` (or another tag) takes `dflash_loss`; a variant
+    exports as a DFlash the loader reads back."""
     from specula_train.run import configs_for
     from specula_train.train import Trainer, to_floats
 
     t, data = self_distilled(tmp_path)
-    hp = dict(HP, steps=30, tokens_per_batch=900, rows_per_batch=24, lr=dict(HP["lr"], dflash_kl=2e-3))
-    tr = Trainer(t, data, ["dflash_ce", "dflash_kl"], configs_for(TC, ARGS), hp, "cpu")
+    hp = dict(HP, steps=30, tokens_per_batch=900, rows_per_batch=24, lr=dict(HP["lr"], dflash_kl=2e-3), dflash_loss="kl")
+    tr = Trainer(t, data, ["dflash_ce", "dflash_kl", "dflash", "dflash_b"], configs_for(TC, ARGS), hp, "cpu")
     assert tr.opts["dflash_kl"].param_groups[0]["lr"] == 2e-3
     tr.cache_target_states()
     recs = to_floats([tr.train_step() for _ in range(30)])
     assert "kl" in recs[0]["dflash_kl"] and "kl" not in recs[0]["dflash_ce"]
+    assert "kl" in recs[0]["dflash"] and "kl" in recs[0]["dflash_b"]
     for k in ("dflash_ce", "dflash_kl"):
         first = sum(r[k]["loss"] for r in recs[:3]) / 3
         last = sum(r[k]["loss"] for r in recs[-3:]) / 3
