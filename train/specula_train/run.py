@@ -187,7 +187,7 @@ def main():
     log(f"data: {json.dumps(status['data'])}")
 
     # -------- train
-    from .train import Trainer, base_kind
+    from .train import Trainer
 
     configs = configs_for(target.cfg, a)
     hp = {
@@ -238,16 +238,16 @@ def main():
         if time.time() > deadline - 60:
             return finish(a, status, log, timing)
         t0 = time.time()
-        m = tr.models[k]
-        if base_kind(k) == "mtp":
+        m, kind = tr.models[k], base_kind(k)
+        if kind == "mtp":
             metrics[k] = evaluate.evaluate_mtp(m, target, data, device)
-        elif base_kind(k) == "assistant":
+        elif kind == "assistant":
             metrics[k] = evaluate.evaluate_assistant(m, target, data, device)
         else:
-            metrics[k] = evaluate.evaluate_block(base_kind(k), m, target, data, device)
+            metrics[k] = evaluate.evaluate_block(kind, m, target, data, device)
         spent(f"eval_{k}", t0)
         metrics_path.write_text(json.dumps(metrics, indent=1))
-        log(f"eval {k}: " + json.dumps(headline(base_kind(k), metrics[k])))
+        log(f"eval {k}: " + json.dumps(headline(kind, metrics[k])))
 
     # -------- export
     status["stage"] = "export"
@@ -261,7 +261,8 @@ def main():
     for k in kinds:
         d = a.work / "export" / k
         quant = None if a.quant == "bf16" else a.quant
-        info = export.write(base_kind(k), tr.models[k], configs[base_kind(k)], target.cfg, fp, d, recipe(k, summary), quant)
+        kind = base_kind(k)
+        info = export.write(kind, tr.models[k], configs[kind], target.cfg, fp, d, recipe(k, summary), quant)
         summary.setdefault("export", {})[k] = info
         with tarfile.open(a.out / f"{k}.tar", "w") as t:
             for n in ("config.json", "model.safetensors", "SHA256SUMS", "RECIPE.md"):

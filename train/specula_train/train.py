@@ -45,6 +45,11 @@ def base_kind(k: str) -> str:
     return k.split("_", 1)[0]
 
 
+def for_model(table: dict, k: str):
+    """Model `k`'s entry of a per-kind table (`hp["lr"]`, `hp["init"]`): its own, else its kind's."""
+    return table.get(k, table.get(base_kind(k)))
+
+
 class Schedule:
     """Linear warmup then cosine to `floor` of the peak."""
 
@@ -94,7 +99,7 @@ class Trainer:
                 with torch.no_grad():
                     for layer in m.model.layers:
                         layer.self_attn.q_norm.weight.fill_(layer.head_dim**-0.5)
-            init = (hp.get("init") or {}).get(k) or (hp.get("init") or {}).get(kind)
+            init = for_model(hp.get("init") or {}, k)
             if init:
                 from .twin_drafts import load_drafter
 
@@ -103,7 +108,7 @@ class Trainer:
             m.to(device)
             self.models[k] = m
             self.opts[k] = torch.optim.AdamW(
-                m.parameters(), lr=hp["lr"].get(k, hp["lr"][kind]), betas=(0.9, 0.95), weight_decay=0.01, fused=device != "cpu"
+                m.parameters(), lr=for_model(hp["lr"], k), betas=(0.9, 0.95), weight_decay=0.01, fused=device != "cpu"
             )
         self.step, self.total = 0, hp.get("steps")
         self.history: list[dict] = []
@@ -359,7 +364,7 @@ class Trainer:
         for k, m in self.models.items():
             opt = self.opts[k]
             kind = base_kind(k)
-            lr = self.hp["lr"].get(k, self.hp["lr"][kind]) * self.sched(self.step)
+            lr = for_model(self.hp["lr"], k) * self.sched(self.step)
             for gr in opt.param_groups:
                 gr["lr"] = lr
             if kind == "dflash":
