@@ -602,8 +602,9 @@ impl<'a> Core<'a> {
     }
 
     fn rows(&self, p: &Part) -> Rows {
-        let seq = &self.live[p.at].seq;
-        let taps = seq.req.speculation != Speculation::Off && !self.drafting.wants().is_empty();
+        let live = &self.live[p.at];
+        let seq = &live.seq;
+        let speculating = self.taps_needed(seq);
         match &p.kind {
             PartKind::Decode { draft, .. } => {
                 let mut tokens = Vec::with_capacity(1 + draft.tokens.len());
@@ -613,16 +614,21 @@ impl<'a> Core<'a> {
                     session: seq.session(),
                     logits: tokens.len(),
                     tokens,
-                    taps,
+                    taps: speculating,
                 }
             }
             PartKind::Prefill { chunk } => {
                 let left = seq.uncomputed();
+                // A plain sequence's prompt taps go to the tap cache only, so that a later tap
+                // sequence adopts its blocks too; worth it only when they extend a cached
+                // prefix (a block is usable only after every block before it).
+                let extends = live.prompt_taps.is_some()
+                    || self.tap_cache.leading(&live.keys) * BLOCK_SIZE >= seq.computed;
                 Rows {
                     session: seq.session(),
                     tokens: left[..*chunk].to_vec(),
                     logits: usize::from(*chunk == left.len()),
-                    taps,
+                    taps: speculating || (!self.drafting.wants().is_empty() && extends),
                 }
             }
         }
@@ -710,6 +716,9 @@ impl<'a> Core<'a> {
                     let mut cur = self.slot.lock();
                     self.drafting
                         .open(&mut cur, session, &seq.context, &seq.req.sampling, taps);
+                } else if seq.is_running() {
+                    // A plain sequence's prompt taps are in the tap cache now.
+                    live.prompt_taps = None;
                 }
             }
             PartKind::Decode { asked, draft } => {

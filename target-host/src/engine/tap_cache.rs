@@ -18,6 +18,9 @@
 //! A block is usable only when both hold it: [`TapCache::leading`] counts the leading blocks
 //! of a prompt whose taps are here, and the sequence adopts at most that many pool blocks.
 //! Blocks are stored as a sequence's taps cover them (each prefill chunk, and at its end).
+//! While a tap drafter is loaded, a plain sequence's prefill makes taps too (for this cache
+//! only) when they extend a cached prefix: otherwise a plain request would cache blocks that
+//! no later tap request could adopt.
 
 use std::collections::{BTreeMap, HashMap};
 
