@@ -134,6 +134,28 @@ mod tests {
         assert_eq!((items[1].temperature, items[1].seed), (0.5, 7));
     }
 
+    /// The shipped files load, with the same tags and as many items a tag as they say.
+    #[test]
+    fn shipped_workloads_load() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("workloads");
+        for (file, per_tag) in [("default.jsonl", 2), ("verdict.jsonl", 8)] {
+            let items = load(&dir.join(file)).unwrap();
+            let mut tags = std::collections::BTreeMap::<&str, usize>::new();
+            for item in &items {
+                *tags.entry(item.tag.as_str()).or_default() += 1;
+            }
+            let want = [
+                "chat",
+                "code-complete",
+                "code-edit",
+                "creative",
+                "summarise",
+            ];
+            assert_eq!(tags.keys().copied().collect::<Vec<_>>(), want, "{file}");
+            assert!(tags.values().all(|&n| n == per_tag), "{file}: {tags:?}");
+        }
+    }
+
     #[test]
     fn malformed_line_names_its_number() {
         let text =
