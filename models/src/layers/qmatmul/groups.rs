@@ -152,44 +152,80 @@ impl Groups {
         self.group(j / LANES).chunks_exact(self.block_bytes)
     }
 
-    /// `out[(j - 16 g0) * m + r] = y[r, j]` for the weight rows of groups `g0..` that `out`
-    /// covers (`out.len()` a multiple of `m = acts.len()`; rows past `n` are not written):
-    /// `dot(group, a, ys)` sets `ys[r]` to the 16 outputs of `group` against `a[r]`, for
-    /// chunks `a` of at most `chunk` (≤ [`MAX_ROWS`]) activation rows.
+    /// `out[r, j] = y[r, j]` for the weight rows `j` of groups `g0..` whose columns `out`
+    /// owns (rows past `n` are not written): `dot(group, a, ys)` sets `ys[r]` to the 16
+    /// outputs of `group` against `a[r]`, for chunks `a` of at most `chunk` (≤ [`MAX_ROWS`])
+    /// activation rows.
     pub(super) fn rows_task<A>(
         &self,
         acts: &[A],
         chunk: usize,
         g0: usize,
-        out: &mut [f32],
+        out: &mut Columns<'_>,
         dot: impl Fn(&[u8], &[A], &mut [[f32; LANES]]),
     ) {
-        debug_assert!(chunk <= MAX_ROWS);
-        let m = acts.len();
-        let rows_here = out.len() / m;
+        debug_assert!(chunk <= MAX_ROWS && out.rows == acts.len());
         let mut ys = [[0f32; LANES]; MAX_ROWS];
-        for (gi, out) in out.chunks_mut(LANES * m).enumerate() {
+        for gi in 0..out.cols.div_ceil(LANES) {
             let group = self.group(g0 + gi);
-            let lanes = (rows_here - gi * LANES).min(LANES);
+            let lanes = (out.cols - gi * LANES).min(LANES);
             for (c, a) in acts.chunks(chunk).enumerate() {
                 let ys = &mut ys[..a.len()];
                 dot(group, a, ys);
-                scatter(ys, c * chunk, m, lanes, out);
+                for (r, y) in ys.iter().enumerate() {
+                    out.write(c * chunk + r, gi * LANES, &y[..lanes]);
+                }
             }
         }
     }
 }
 
-/// `out[j * m + r0 + r] = ys[r][j]` for the first `lanes` lanes (one decode row: a copy).
-#[inline(always)]
-fn scatter(ys: &[[f32; LANES]], r0: usize, m: usize, lanes: usize, out: &mut [f32]) {
-    if m == 1 {
-        out[..lanes].copy_from_slice(&ys[0][..lanes]);
-        return;
+/// Columns `j0..j0 + cols` of a row-major `[rows, n]` output: one task's share of a matmul's
+/// output, written in place (each activation row's 16 outputs of a group are one contiguous
+/// run, where a weight-row-major buffer would need a transpose of the whole output after).
+/// Made only by [`Columns::split`], whose views never overlap.
+pub(super) struct Columns<'a> {
+    ptr: *mut f32,
+    n: usize,
+    rows: usize,
+    j0: usize,
+    cols: usize,
+    _out: std::marker::PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: a view writes only its own columns of a buffer it borrows mutably with the others
+// of its split, which own the other columns.
+unsafe impl Send for Columns<'_> {}
+
+impl<'a> Columns<'a> {
+    /// `out` (`[rows, n]`) as views of `width` columns each (the last one narrower).
+    pub(super) fn split(out: &'a mut [f32], rows: usize, n: usize, width: usize) -> Vec<Self> {
+        assert_eq!(out.len(), rows * n, "invariant: the output is [rows, n]");
+        let ptr = out.as_mut_ptr();
+        (0..n.div_ceil(width))
+            .map(|t| Columns {
+                ptr,
+                n,
+                rows,
+                j0: t * width,
+                cols: width.min(n - t * width),
+                _out: std::marker::PhantomData,
+            })
+            .collect()
     }
-    for (r, y) in ys.iter().enumerate() {
-        for (j, &v) in y[..lanes].iter().enumerate() {
-            out[j * m + r0 + r] = v;
+
+    /// `out[r, j0 + j..][..vals.len()] = vals`.
+    #[inline(always)]
+    fn write(&mut self, r: usize, j: usize, vals: &[f32]) {
+        assert!(r < self.rows && j + vals.len() <= self.cols);
+        // SAFETY: in bounds of the `[rows, n]` buffer (checked above) and inside this view's
+        // columns, which no other view of the split writes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                vals.as_ptr(),
+                self.ptr.add(r * self.n + self.j0 + j),
+                vals.len(),
+            );
         }
     }
 }

@@ -37,7 +37,7 @@ use half::f16;
 
 #[cfg(target_arch = "x86_64")]
 use super::groups::by_rows;
-use super::groups::{Groups, LANES, ROWS};
+use super::groups::{Columns, Groups, LANES, ROWS};
 use super::kquant::{ActRow, QK_K};
 use crate::layers::simd::Isa;
 #[cfg(target_arch = "x86_64")]
@@ -115,9 +115,15 @@ impl K6Packed {
         self.0.cols()
     }
 
-    /// As [`super::packed::Packed::rows_task`]: `out[(j - 16 g0) * m + r] = y[r, j]`. Up to
+    /// As [`super::packed::Packed::rows_task`]: `out[r, j] = y[r, j]`. Up to
     /// [`ROWS`] activation rows a pass on every path (no tile kernel: `amx` runs `avx512`).
-    pub(super) fn rows_task(&self, isa: Isa, acts: &[ActRow<'_>], g0: usize, out: &mut [f32]) {
+    pub(super) fn rows_task(
+        &self,
+        isa: Isa,
+        acts: &[ActRow<'_>],
+        g0: usize,
+        out: &mut Columns<'_>,
+    ) {
         (self.0).rows_task(acts, ROWS, g0, out, |group, a, ys| {
             group_dot(isa, group, a, ys)
         });

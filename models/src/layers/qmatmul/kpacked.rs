@@ -29,7 +29,7 @@ use half::f16;
 
 #[cfg(target_arch = "x86_64")]
 use super::groups::by_rows;
-use super::groups::{rows_per_pass, Groups, LANES};
+use super::groups::{rows_per_pass, Columns, Groups, LANES};
 use super::kquant::{ActRow, QK_K};
 use super::packed::AMX_MIN_ROWS;
 use crate::layers::simd::Isa;
@@ -118,8 +118,14 @@ impl KPacked {
         self.0.cols()
     }
 
-    /// As [`super::packed::Packed::rows_task`]: `out[(j - 16 g0) * m + r] = y[r, j]`.
-    pub(super) fn rows_task(&self, isa: Isa, acts: &[ActRow<'_>], g0: usize, out: &mut [f32]) {
+    /// As [`super::packed::Packed::rows_task`]: `out[r, j] = y[r, j]`.
+    pub(super) fn rows_task(
+        &self,
+        isa: Isa,
+        acts: &[ActRow<'_>],
+        g0: usize,
+        out: &mut Columns<'_>,
+    ) {
         (self.0).rows_task(acts, rows_per_pass(isa), g0, out, |group, a, ys| {
             group_dot(isa, group, a, ys)
         });

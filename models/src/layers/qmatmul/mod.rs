@@ -45,7 +45,7 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::layers::simd::{Isa, Level};
-use groups::LANES;
+use groups::{Columns, LANES};
 use packed::{Packed, QK};
 
 /// Weight rows per rayon task: enough work to amortise scheduling (a multiple of [`LANES`]).
@@ -304,8 +304,8 @@ pub fn matmul_many(isa: Isa, ws: &[&QWeight], xs: &Tensor) -> Result<Vec<Tensor>
         }
     }
     let xs: Vec<f32> = xs.flatten_all()?.to_vec1()?;
-    // outs[i][j * m + r] = y_i[r, j]: each task owns a contiguous range of weight rows.
-    let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; w.shape().0 * m]).collect();
+    // Each task writes its own columns (a range of weight rows) of an output in place.
+    let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.shape().0]).collect();
     if m > 0 {
         let packed = |w: &&QWeight| matches!(w.inner, Inner::Packed(_));
         let a32 = ws.iter().any(packed).then(|| Acts::quantize(isa, &xs, k));
@@ -313,52 +313,22 @@ pub fn matmul_many(isa: Isa, ws: &[&QWeight], xs: &Tensor) -> Result<Vec<Tensor>
         let r32 = a32.as_ref().map(Acts::rows).unwrap_or_default();
         let rk = ak.as_ref().map(kquant::Acts::rows).unwrap_or_default();
         let mut tasks = Vec::new();
-        for (i, out) in outs.iter_mut().enumerate() {
-            tasks.extend(
-                out.chunks_mut(ROWS_PER_TASK * m)
-                    .enumerate()
-                    .map(|(t, o)| (i, t, o)),
-            );
+        for (i, (out, w)) in outs.iter_mut().zip(ws).enumerate() {
+            let columns = Columns::split(out, m, w.shape().0, ROWS_PER_TASK);
+            tasks.extend(columns.into_iter().enumerate().map(|(t, c)| (i, t, c)));
         }
-        tasks.into_par_iter().for_each(|(i, t, out)| {
+        tasks.into_par_iter().for_each(|(i, t, mut out)| {
             let g0 = t * ROWS_PER_TASK / LANES;
             match &ws[i].inner {
-                Inner::Packed(p) => p.rows_task(isa, &r32, g0, out),
-                Inner::KPacked(p) => p.rows_task(isa, &rk, g0, out),
-                Inner::K6Packed(p) => p.rows_task(isa, &rk, g0, out),
+                Inner::Packed(p) => p.rows_task(isa, &r32, g0, &mut out),
+                Inner::KPacked(p) => p.rows_task(isa, &rk, g0, &mut out),
+                Inner::K6Packed(p) => p.rows_task(isa, &rk, g0, &mut out),
             }
         });
     }
     (ws.iter().zip(outs))
-        .map(|(w, out_t)| {
-            let n = w.shape().0;
-            let ys = match m {
-                1 => out_t,
-                _ => transpose(&out_t, n, m),
-            };
-            Ok(Tensor::from_vec(ys, (m, n), &Device::Cpu)?)
-        })
+        .map(|(w, ys)| Ok(Tensor::from_vec(ys, (m, w.shape().0), &Device::Cpu)?))
         .collect()
-}
-
-/// `ys[r * n + j] = out_t[j * m + r]`, rows of `ys` in bands of [`BAND`] (in parallel): a band's
-/// writes for consecutive `j` fall in the same `BAND` cache lines, where a plain loop over a
-/// prefill chunk's megabytes of output strides through memory.
-fn transpose(out_t: &[f32], n: usize, m: usize) -> Vec<f32> {
-    const BAND: usize = 32;
-    let mut ys = vec![0f32; m * n];
-    ys.par_chunks_mut(BAND * n)
-        .enumerate()
-        .for_each(|(band, ys)| {
-            let r0 = band * BAND;
-            let rows = ys.len() / n;
-            for j in 0..n {
-                for (r, &v) in out_t[j * m + r0..][..rows].iter().enumerate() {
-                    ys[r * n + j] = v;
-                }
-            }
-        });
-    ys
 }
 
 #[cfg(test)]

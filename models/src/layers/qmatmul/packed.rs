@@ -32,7 +32,7 @@ use half::f16;
 
 #[cfg(target_arch = "x86_64")]
 use super::groups::by_rows;
-use super::groups::{rows_per_pass, Groups, LANES};
+use super::groups::{rows_per_pass, Columns, Groups, LANES};
 use super::ActRow;
 use crate::layers::simd::Isa;
 #[cfg(target_arch = "x86_64")]
@@ -230,9 +230,15 @@ impl Packed {
         out
     }
 
-    /// `out[(j - 16 g0) * m + r] = y[r, j]` for the weight rows of groups `g0..` that `out`
-    /// covers (see [`Groups::rows_task`]), against the activation rows `acts`.
-    pub(super) fn rows_task(&self, isa: Isa, acts: &[ActRow<'_>], g0: usize, out: &mut [f32]) {
+    /// `out[r, j] = y[r, j]` for the weight rows of groups `g0..` whose columns `out` owns
+    /// (see [`Groups::rows_task`]), against the activation rows `acts`.
+    pub(super) fn rows_task(
+        &self,
+        isa: Isa,
+        acts: &[ActRow<'_>],
+        g0: usize,
+        out: &mut Columns<'_>,
+    ) {
         let (f, kind) = (self.format, self.kind);
         self.groups
             .rows_task(acts, rows_per_pass(isa), g0, out, |group, a, ys| {
