@@ -81,6 +81,8 @@ fn tokens(n: usize, vocab: usize) -> Vec<u32> {
 }
 
 fn main() -> anyhow::Result<()> {
+    // As target-host runs (the comparison with llama-bench is of what users get).
+    specula_models::alloc::keep_freed_memory();
     let args = Args::parse();
     let dtype: WeightDType = args.dtype.parse()?;
     let opts = LoadOptions {

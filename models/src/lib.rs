@@ -6,6 +6,7 @@
 //! The one entry point most callers need is [`load`]: it returns a [`LoadedModel`] with the
 //! [`Model`], its [`Tokenizer`] and its [`ChatTemplate`].
 
+pub mod alloc;
 pub mod arch;
 pub mod batch;
 pub mod chat;

@@ -92,6 +92,7 @@ struct GenerateArgs {
 }
 
 fn main() -> std::process::ExitCode {
+    specula_models::alloc::keep_freed_memory();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(

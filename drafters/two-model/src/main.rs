@@ -62,6 +62,7 @@ fn load_drafter(args: &Args) -> Result<TwoModelDrafter> {
 }
 
 fn main() -> ExitCode {
+    specula_models::alloc::keep_freed_memory();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
