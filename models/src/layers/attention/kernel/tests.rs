@@ -204,7 +204,16 @@ fn exp_is_accurate_on_the_softmax_range() {
 /// and the f64 softmax, on every path.
 #[test]
 fn head_widths_and_groups_pair_queries_without_changing_a_row() {
-    for (kv, groups, d) in [(1, 1, 8), (2, 3, 36), (1, 4, 40), (2, 2, 64), (1, 3, 128)] {
+    for (kv, groups, d) in [
+        (1, 1, 8),
+        (2, 3, 36),
+        (1, 4, 40),
+        (2, 2, 64),
+        (1, 3, 128),
+        (1, 6, 64),
+        (2, 5, 20),
+        (1, 7, 72),
+    ] {
         let heads = kv * groups;
         let len = 2 * BLOCK_SIZE + 11;
         let (pool, seqs) = pool_dims(&[len], 7 + d as u64, kv, d);
