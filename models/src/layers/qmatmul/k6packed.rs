@@ -117,13 +117,7 @@ impl K6Packed {
 
     /// As [`super::packed::Packed::rows_task`]: `out[r, j] = y[r, j]`. Up to
     /// [`ROWS`] activation rows a pass on every path (no tile kernel: `amx` runs `avx512`).
-    pub(super) fn rows_task(
-        &self,
-        isa: Isa,
-        acts: &[ActRow<'_>],
-        g0: usize,
-        out: &mut Columns<'_>,
-    ) {
+    pub(super) fn rows_task(&self, isa: Isa, acts: &[ActRow<'_>], g0: usize, out: &mut Columns) {
         (self.0).rows_task(acts, ROWS, g0, out, |group, a, ys| {
             group_dot(isa, group, a, ys)
         });

@@ -119,13 +119,7 @@ impl KPacked {
     }
 
     /// As [`super::packed::Packed::rows_task`]: `out[r, j] = y[r, j]`.
-    pub(super) fn rows_task(
-        &self,
-        isa: Isa,
-        acts: &[ActRow<'_>],
-        g0: usize,
-        out: &mut Columns<'_>,
-    ) {
+    pub(super) fn rows_task(&self, isa: Isa, acts: &[ActRow<'_>], g0: usize, out: &mut Columns) {
         (self.0).rows_task(acts, rows_per_pass(isa), g0, out, |group, a, ys| {
             group_dot(isa, group, a, ys)
         });

@@ -232,13 +232,7 @@ impl Packed {
 
     /// `out[r, j] = y[r, j]` for the weight rows of groups `g0..` whose columns `out` owns
     /// (see [`Groups::rows_task`]), against the activation rows `acts`.
-    pub(super) fn rows_task(
-        &self,
-        isa: Isa,
-        acts: &[ActRow<'_>],
-        g0: usize,
-        out: &mut Columns<'_>,
-    ) {
+    pub(super) fn rows_task(&self, isa: Isa, acts: &[ActRow<'_>], g0: usize, out: &mut Columns) {
         let (f, kind) = (self.format, self.kind);
         self.groups
             .rows_task(acts, rows_per_pass(isa), g0, out, |group, a, ys| {
