@@ -405,6 +405,49 @@ fn taps_reach_the_drafter_bit_for_bit_through_shared_memory() {
     assert_eq!(got.lines().collect::<Vec<_>>(), expect);
 }
 
+/// Rounds without drafts that the engine held back reach the drafter as one `Advance`, which can
+/// hold more rows than one window of the shared region: the client splits it like a large
+/// `Open` (windows of at most half the region, each written after the drafter read the one
+/// before), and every row arrives once, in order, bit for bit.
+#[test]
+fn a_held_back_advance_larger_than_a_window_is_split() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("taps.log");
+    // 160 bytes a row here: half of 4 KiB, less alignment, holds 10.
+    let small = ClientConfig {
+        region_bytes: 4096,
+        ..config()
+    };
+    let mut c = chaos("taps-check", &["--out", out.to_str().unwrap()], small).unwrap();
+    let prompt = tap_rows(0, 2, 0.0);
+    c.open(3, &[1, 2, 3], &greedy(), Some(&prompt));
+    let held = tap_rows(2, 25, 1.0);
+    let ids: Vec<u32> = (10..35).collect();
+    c.advance(3, &ids, Some(&held));
+    draft(&mut c, 3, 1);
+    assert_eq!(c.stats().split_advances, 1, "{:?}", c.stats());
+    let got = std::fs::read_to_string(&out).unwrap();
+    let lines: Vec<&str> = got.lines().collect();
+    assert_eq!(lines[0], format!("open 3 2 {}", checksum(&prompt)));
+    let mut at = 0;
+    for line in &lines[1..] {
+        let f: Vec<&str> = line.split(' ').collect();
+        assert_eq!(f[..2], ["advance", "3"], "{lines:?}");
+        let rows: usize = f[2].parse().unwrap();
+        assert!(
+            (1..=10).contains(&rows),
+            "a window of {rows} rows: {lines:?}"
+        );
+        assert_eq!(
+            f[3],
+            checksum(&held.window(at, rows)).to_string(),
+            "{lines:?}"
+        );
+        at += rows;
+    }
+    assert_eq!((at, lines.len()), (25, 4), "{lines:?}");
+}
+
 #[test]
 fn late_capabilities_replace_the_hellos_and_taps_follow_them() {
     let dir = tempfile::tempdir().unwrap();

@@ -16,7 +16,8 @@
 //! `Open` with the first rows, then `Advance`s with the rest, each written only after a ping
 //! (`Draft { rows: [] }`, answered in order) shows the drafter has read the one before, so no
 //! window overwrites another that is still unread. Drafts are capped so that a `Commit`'s
-//! `accepted + 1` rows always fit.
+//! `accepted + 1` rows always fit. An `Advance` of rounds the engine held back (many rounds
+//! without drafts, told at once) is split into windows the same way.
 //!
 //! **K/V donor views (1.2).** A drafter whose Hello set `kv_donor_views` reads its `kv_layers`
 //! in place from the KV pool's donor region: the taps then carry each session's block table
@@ -277,14 +278,33 @@ impl DrafterClient {
                 prompt_taps: write_taps(region, &head, target),
             })
         });
-        let mut at = first;
+        if first < taps.rows {
+            let rest = taps.window(first, taps.rows - first);
+            self.advance_windows(session, &context[first + 1..=taps.rows], &rest, true);
+            self.stats.split_opens += 1;
+        }
+    }
+
+    /// Sends `ids` with `taps` (row `i` is the position before `ids[i]`) as `Advance`s of at
+    /// most [`Self::rows_per_message`] rows, pinging before each (the first too when
+    /// `ping_first`) so that no window overwrites one still unread. Returns whether the
+    /// drafter answered every ping.
+    fn advance_windows(
+        &mut self,
+        session: SessionId,
+        ids: &[u32],
+        taps: &TapRows,
+        ping_first: bool,
+    ) -> bool {
+        let per = self.rows_per_message().max(1);
+        let mut at = 0;
         while at < taps.rows {
-            if !self.barrier() {
-                return;
+            if (at > 0 || ping_first) && !self.barrier() {
+                return false;
             }
             let rows = (taps.rows - at).min(per);
             let window = taps.window(at, rows);
-            let ids = context[at + 1..=at + rows].to_vec();
+            let ids = ids[at..at + rows].to_vec();
             self.send(|conn, target| {
                 let region = conn.region.as_mut().expect("invariant: taps need a region");
                 Request::Advance(Advance {
@@ -295,9 +315,7 @@ impl DrafterClient {
             });
             at += rows;
         }
-        if first < taps.rows {
-            self.stats.split_opens += 1;
-        }
+        true
     }
 
     /// Pings the drafter and waits for the answer, which comes after it handled every earlier
@@ -627,17 +645,26 @@ impl Proposer for DrafterClient {
             }
             return;
         }
-        self.send(|conn, target| {
-            let taps = match (&mut conn.region, taps) {
-                (Some(region), Some(taps)) => write_taps(region, taps, target),
-                _ => None,
-            };
-            Request::Advance(Advance {
-                session,
-                ids: ids.to_vec(),
-                taps,
-            })
-        });
+        match taps {
+            // Rounds held back by the engine can add up to more rows than one window holds.
+            Some(t) if t.rows == ids.len() && t.rows > self.rows_per_message().max(1) => {
+                if !self.advance_windows(session, ids, t, false) {
+                    return;
+                }
+                self.stats.split_advances += 1;
+            }
+            _ => self.send(|conn, target| {
+                let taps = match (&mut conn.region, taps) {
+                    (Some(region), Some(taps)) => write_taps(region, taps, target),
+                    _ => None,
+                };
+                Request::Advance(Advance {
+                    session,
+                    ids: ids.to_vec(),
+                    taps,
+                })
+            }),
+        }
         self.stats.rounds += 1;
         self.donor_update(session, taps);
     }

@@ -215,6 +215,8 @@ pub struct DrafterStats {
     pub taps_undelivered: u64,
     /// `Open`s whose taps were split into `Open` + `Advance`s to fit the shared region.
     pub split_opens: u64,
+    /// `Advance`s (rounds without drafts held back, then sent together) split the same way.
+    pub split_advances: u64,
     /// Times the drafter process was (re)started after the first start.
     pub restarts: u64,
     /// Rounds reported to the drafter (`Commit`s and `Advance`s).

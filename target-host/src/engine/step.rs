@@ -622,13 +622,15 @@ impl<'a> Core<'a> {
                 // A plain sequence's prompt taps go to the tap cache only, so that a later tap
                 // sequence adopts its blocks too; worth it only when they extend a cached
                 // prefix (a block is usable only after every block before it).
-                let extends = live.prompt_taps.is_some()
-                    || self.tap_cache.leading(&live.keys) * BLOCK_SIZE >= seq.computed;
+                let extends = || {
+                    live.prompt_taps.is_some()
+                        || self.tap_cache.leading(&live.keys) * BLOCK_SIZE >= seq.computed
+                };
                 Rows {
                     session: seq.session(),
                     tokens: left[..*chunk].to_vec(),
                     logits: usize::from(*chunk == left.len()),
-                    taps: speculating || (!self.drafting.wants().is_empty() && extends),
+                    taps: speculating || (!self.drafting.wants().is_empty() && extends()),
                 }
             }
         }
