@@ -30,6 +30,9 @@ TRAIN_CAPS = {
 }
 HELDOUT_PER_TAG = 48
 MAX_PROMPT_TOKENS = 384
+# The extra (session-16) training prompts, per tag, on top of TRAIN_CAPS: chosen after every
+# other prompt with their own random stream, so the earlier selection is unchanged.
+EXTRA_CAPS = {"chat": 9000}
 
 
 class GgufPrompter:
@@ -86,16 +89,37 @@ def bench_prompts(path: Path):
             yield {"tag": d["tag"], "split": "bench", "kind": "raw", "text": d["prompt"]}
 
 
-def select(prompts: list[dict], seed: int) -> list[dict]:
+def cap_of(p: dict) -> int:
+    if p.get("extra"):
+        return EXTRA_CAPS.get(p["tag"], 0)
+    return TRAIN_CAPS.get(p["tag"], 0) if p["split"] == "train" else HELDOUT_PER_TAG
+
+
+def count_key(p: dict) -> str:
+    return f"{p['split']}/{p['tag']}" + ("/extra" if p.get("extra") else "")
+
+
+def select(prompts: list[dict], seed: int, extra: bool = True) -> list[dict]:
     rng = random.Random(seed)
     by = defaultdict(list)
     for p in prompts:
-        by[(p["split"], p["tag"])].append(p)
+        if not p.get("extra"):
+            by[(p["split"], p["tag"])].append(p)
     out = []
     for (split, tag), ps in sorted(by.items()):
         rng.shuffle(ps)
         cap = TRAIN_CAPS.get(tag, 0) if split == "train" else HELDOUT_PER_TAG
         out.extend(ps[: cap * 2])  # twice the cap: some are dropped as too long
+    if extra:
+        rng = random.Random(seed + 16)
+        by = defaultdict(list)
+        for p in prompts:
+            if p.get("extra"):
+                assert p["split"] == "train", "extra prompts are training prompts only"
+                by[p["tag"]].append(p)
+        for tag, ps in sorted(by.items()):
+            rng.shuffle(ps)
+            out.extend(ps[: EXTRA_CAPS.get(tag, 0) * 2])
     return out
 
 
@@ -123,29 +147,30 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check-with", type=Path, help="target-host binary: verify ids on a sample")
     ap.add_argument("--check-n", type=int, default=24)
+    ap.add_argument("--no-extra", dest="extra", action="store_false", help="leave the extra chat prompts out")
     a = ap.parse_args()
 
     prompter = GgufPrompter(a.gguf)
     prompts = [json.loads(line) for line in a.prompts.read_text().splitlines()]
-    chosen = select(prompts, a.seed)
+    chosen = select(prompts, a.seed, a.extra)
     if a.bench:
         chosen += list(bench_prompts(a.bench))
-    ids_all, offsets, tags, splits, kept = [], [0], [], [], []
+    ids_all, offsets, tags, splits, extras, kept = [], [0], [], [], [], []
     counts: Counter = Counter()
     tag_names = sorted({p["tag"] for p in chosen})
     split_names = ["train", "heldout", "bench"]
     for p in chosen:
-        cap = TRAIN_CAPS.get(p["tag"], 0) if p["split"] == "train" else HELDOUT_PER_TAG
-        if p["split"] != "bench" and counts[(p["split"], p["tag"])] >= cap:
+        if p["split"] != "bench" and counts[count_key(p)] >= cap_of(p):
             continue
         ids = prompter.prompt_ids(p["kind"], p["text"])
         if len(ids) > MAX_PROMPT_TOKENS:
             continue
-        counts[(p["split"], p["tag"])] += 1
+        counts[count_key(p)] += 1
         ids_all.extend(ids)
         offsets.append(len(ids_all))
         tags.append(tag_names.index(p["tag"]))
         splits.append(split_names.index(p["split"]))
+        extras.append(bool(p.get("extra")))
         kept.append(p)
     if a.check_with:
         rng = random.Random(a.seed)
@@ -156,13 +181,14 @@ def main():
     np.savez_compressed(
         a.out / "prompts.npz", ids=np.array(ids_all, dtype=np.uint16),
         offsets=np.array(offsets, dtype=np.int64), tags=np.array(tags, dtype=np.int8),
-        splits=np.array(splits, dtype=np.int8),
+        splits=np.array(splits, dtype=np.int8), extra=np.array(extras, dtype=np.int8),
     )
     meta = {
         "tags": tag_names, "splits": split_names, "seed": a.seed,
         "train_caps": TRAIN_CAPS, "heldout_per_tag": HELDOUT_PER_TAG,
+        "extra_caps": EXTRA_CAPS if a.extra else {},
         "max_prompt_tokens": MAX_PROMPT_TOKENS, "eos_id": prompter.eos_id,
-        "counts": {f"{s}/{t}": n for (s, t), n in sorted(counts.items())},
+        "counts": dict(sorted(counts.items())),
     }
     (a.out / "prompts.meta.json").write_text(json.dumps(meta, indent=1))
     with (a.out / "heldout.jsonl").open("w") as f:

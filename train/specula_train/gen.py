@@ -30,6 +30,12 @@ def load_prompts(folder: Path):
     return prompts, z["tags"].tolist(), z["splits"].tolist(), meta
 
 
+def load_extra(folder: Path) -> np.ndarray:
+    """Which prompts are extra (session-16) training prompts; none in an older prompt set."""
+    z = np.load(folder / "prompts.npz")
+    return z["extra"].astype(bool) if "extra" in z.files else np.zeros(len(z["tags"]), dtype=bool)
+
+
 def sampled_rows(splits, sampled_frac: float, seed: int) -> np.ndarray:
     """Which training prompts get a sampled (not greedy) answer; deterministic in the seed."""
     rng = np.random.default_rng(seed)
@@ -122,7 +128,7 @@ def merge(prompt_dir: Path, work: Path, sampled_frac: float, seed: int, response
     data = {
         "ids": torch.tensor(ids, dtype=torch.int32), "offsets": torch.tensor(offsets),
         "prompt_lens": torch.tensor(plens), "tags": torch.tensor(tags), "splits": torch.tensor(splits),
-        "sampled": torch.from_numpy(sampled), "meta": meta,
+        "sampled": torch.from_numpy(sampled), "extra": torch.from_numpy(load_extra(prompt_dir)), "meta": meta,
     }
     out = work / "data.pt"
     torch.save(data, out)
@@ -138,6 +144,7 @@ class Data:
         self.prompt_lens, self.tags, self.splits = d["prompt_lens"], d["tags"], d["splits"]
         self.meta = d["meta"]
         self.lens = self.offsets[1:] - self.offsets[:-1]
+        self.extra = d.get("extra", torch.zeros(len(self.lens), dtype=torch.bool)).bool()
 
     def indices(self, split: str) -> list[int]:
         s = self.meta["splits"].index(split)

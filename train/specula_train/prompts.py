@@ -403,7 +403,191 @@ def general_prompts(rng: random.Random):
         yield f"gen:{x}|{y}", "chat", "chat", GENERAL_CHAT[2].format(x=x, y=y)
 
 
-def build(root: Path, bible_txt: Path, seed: int):
+# ---------------------------------------------------------------- extra chat (session 16)
+# More chat prompts, in the style of the bench chat items (questions a user asks, answered in
+# free prose), from the same Debian text: Python library entries, Linux documentation section
+# titles, and familiar WordNet words (kinds of, differences between siblings, opposites, uses).
+# They are marked "extra": true and are training prompts only: one whose source document is
+# held out is dropped, so the held-out set stays exactly the earlier one and no held-out source
+# is trained on. They come from their own random stream after every other prompt, so the
+# earlier prompts are unchanged too.
+
+PY_ENTRY_CHAT = {
+    "function": [
+        "What does the Python function `{n}` do? Give a short example.",
+        "How do I use `{n}` in Python? Answer briefly.",
+        "Explain `{n}` in Python to a new programmer.",
+        "When should I use `{n}` in Python?",
+    ],
+    "method": [
+        "What does the `{n}` method do in Python? Give a short example.",
+        "Explain the Python method `{n}` briefly.",
+    ],
+    "class": [
+        "What is the `{n}` class in Python used for? Give a short example.",
+        "Explain the Python class `{n}` to a new programmer.",
+    ],
+    "exception": [
+        "When does Python raise `{n}`, and how do I handle it?",
+        "What does `{n}` mean in Python? Answer briefly.",
+    ],
+    "module": [
+        "What is the Python `{n}` module for? Answer briefly.",
+        "Give me a short introduction to the `{n}` module in Python.",
+        "What are the most useful functions of Python's `{n}` module?",
+    ],
+}
+LINUX_TITLE_CHAT = [
+    "What is {t} in the Linux kernel? Answer briefly.",
+    "Explain {t} in Linux to a new kernel developer.",
+    "Give me a short overview of {t} in the Linux kernel.",
+]
+GENERIC_TITLES = {
+    "introduction", "overview", "usage", "example", "examples", "description", "summary", "notes",
+    "references", "credits", "authors", "contents", "todo", "testing", "configuration", "background",
+    "license", "copyright", "history", "changelog", "api", "interface", "design", "implementation",
+}
+ACT_CHAT = [
+    "What are three good habits for {x}? Answer briefly.",
+    "Give me five tips for {x}.",
+    "How do I get started with {x}?",
+    "What are common mistakes beginners make in {x}?",
+]
+KINDS_CHAT = [
+    "Name three kinds of {p} and describe each in one sentence.",
+    "What are the main types of {p}? Answer briefly.",
+]
+PAIR_CHAT = [
+    "Explain the difference between {x} and {y}.",
+    "What is the difference between {x} and {y}? Answer briefly.",
+    "Compare {x} and {y} in a few sentences.",
+]
+ANTONYM_CHAT = [
+    "What is the opposite of \"{w}\"? Use both words in a sentence.",
+    "Explain the difference between \"{w}\" and \"{a}\" with examples.",
+]
+ARTIFACT_CHAT = [
+    "What is {x} used for? Answer briefly.",
+    "How does {x} work? Explain it simply.",
+    "Describe {x} to someone who has never seen one.",
+]
+GLOSS_CHAT = [
+    "What is the word for {g}?",
+    "Which word means {g}? Give an example sentence.",
+]
+
+
+def _art(w: str) -> str:
+    return ("an " if w[0] in "aeiou" else "a ") + w
+
+
+def wordnet_graph(root: Path):
+    """Synsets with their pointers, and which (lemma, synset) senses are familiar: tagged in
+    WordNet's sense-tagged corpus (index.* tagsense_cnt), i.e. words in everyday use."""
+    syn = {}
+    for pos, name in (("n", "noun"), ("v", "verb"), ("a", "adj")):
+        for line in (root / f"share/wordnet/data.{name}").read_text(errors="replace").splitlines():
+            if line.startswith("  "):
+                continue
+            head, _, gloss = line.partition(" | ")
+            f = head.split()
+            cnt = int(f[3], 16)
+            words = [re.sub(r"\(.*\)$", "", f[4 + 2 * i].replace("_", " ")) for i in range(cnt)]
+            k = 4 + 2 * cnt
+            ptrs = [(f[k + 1 + 4 * j], f[k + 2 + 4 * j], f[k + 3 + 4 * j]) for j in range(int(f[k]))]
+            syn[(pos, f[0])] = {"lex": int(f[1]), "words": words, "gloss": gloss.strip(), "ptrs": ptrs}
+    familiar = set()
+    for pos, name in (("n", "noun"), ("v", "verb"), ("a", "adj")):
+        for line in (root / f"share/wordnet/index.{name}").read_text(errors="replace").splitlines():
+            if line.startswith("  "):
+                continue
+            f = line.split()
+            n_syn, n_ptr = int(f[2]), int(f[3])
+            tagged = int(f[5 + n_ptr])
+            for off in f[6 + n_ptr : 6 + n_ptr + min(n_syn, tagged)]:
+                familiar.add((f[0].replace("_", " "), pos, off))
+    return syn, familiar
+
+
+def extra_chat_prompts(root: Path, rng: random.Random):
+    """(doc, "chat", "chat", text) from Python library entries, Linux section titles and familiar
+    WordNet words; see the note above."""
+    out = []
+    src = root / "share/doc/python3.11/html/_sources"
+    for path in sorted((src / "library").glob("*.rst.txt")):
+        doc = "py:" + str(path.relative_to(src))
+        names = set()
+        for kind, name in re.findall(r"^\.\. (function|method|class|exception|module):: ([\w.]+)", read_text(path), re.M):
+            if name in names or len(name) < 3:
+                continue
+            names.add(name)
+            out.append((doc, rng.choice(PY_ENTRY_CHAT[kind]).format(n=name)))
+    lsrc = root / "share/doc/linux-doc-6.1/Documentation"
+    for path in sorted(lsrc.rglob("*.rst.gz")):
+        rel = str(path.relative_to(lsrc))
+        if rel.startswith(("ABI/", "devicetree/", "translations/")):
+            continue
+        lines = read_text(path).splitlines()
+        seen_t = set()
+        for i in range(1, len(lines)):
+            u, t = lines[i].strip(), lines[i - 1].strip()
+            if not re.fullmatch(r"(=+|-+|~+)", u) or len(u) < len(t) or not t:
+                continue
+            t = clean_prose(t).strip(" :.")
+            words = t.split()
+            if not (2 <= len(words) <= 7) or not re.fullmatch(r"[A-Za-z][\w /()'-]*", t):
+                continue
+            if t.lower() in GENERIC_TITLES or t.lower() in seen_t or t.endswith("?"):
+                continue
+            seen_t.add(t.lower())
+            if rng.random() < 0.35:  # a third: titles are the most numerous source, and the oddest
+                out.append(("linux:" + rel, rng.choice(LINUX_TITLE_CHAT).format(t=t)))
+    syn, familiar = wordnet_graph(root)
+    simple = lambda w: re.fullmatch(r"[a-z]{3,14}", w) is not None  # noqa: E731
+
+    def fam(pos, off):
+        """The synset's first familiar simple lemma, or None."""
+        for w in syn[(pos, off)]["words"]:
+            if simple(w) and (w, pos, off) in familiar:
+                return w
+        return None
+
+    hypo = {}
+    for (pos, off), s in syn.items():
+        if pos == "n":
+            hypo[off] = [o for sym, o, p in s["ptrs"] if sym in ("~", "~i") and p == "n"]
+    for (pos, off), s in sorted(syn.items()):
+        w = fam(pos, off)
+        if w is None:
+            continue
+        doc = f"wn:{pos}{off}"
+        if pos == "n":
+            kids = [k for k in hypo.get(off, []) if fam("n", k)]
+            if len(kids) >= 3:
+                out.append((doc, rng.choice(KINDS_CHAT).format(p=w)))
+            if len(kids) >= 2:
+                a, b = rng.sample(kids, 2)
+                if not held_out(f"wn:n{a}") and not held_out(f"wn:n{b}") and fam("n", a) != fam("n", b):
+                    out.append((doc, rng.choice(PAIR_CHAT).format(x=_art(fam("n", a)), y=_art(fam("n", b)))))
+            if s["lex"] == 4 and w.endswith("ing"):  # noun.act: activities
+                out.append((doc, rng.choice(ACT_CHAT).format(x=w)))
+            if s["lex"] == 6 and rng.random() < 0.5:  # noun.artifact
+                out.append((doc, rng.choice(ARTIFACT_CHAT).format(x=_art(w))))
+            elif 4 <= len(s["gloss"].split(";")[0].split()) <= 14 and rng.random() < 0.15:
+                g = s["gloss"].split(";")[0].strip()
+                out.append((doc, rng.choice(GLOSS_CHAT).format(g=_art(g) if not g.startswith(("a ", "an ", "the ")) else g)))
+        elif pos == "a":
+            ants = [(o, p) for sym, o, p in s["ptrs"] if sym == "!" and p in ("a", "s")]
+            if ants and (("a", ants[0][0]) in syn):
+                b = fam("a", ants[0][0])
+                if b and not held_out(f"wn:a{ants[0][0]}"):
+                    out.append((doc, rng.choice(ANTONYM_CHAT).format(w=w, a=b)))
+    for doc, text in out:
+        if not held_out(doc):
+            yield doc, "chat", "chat", text
+
+
+def build(root: Path, bible_txt: Path, seed: int, extra: bool = True):
     rng = random.Random(seed)
     words = sorted({w for _, p, ws, _ in wordnet_synsets(root) for w in ws if re.match(r"^[a-z]{3,8}$", w)})
     gens = [
@@ -423,6 +607,12 @@ def build(root: Path, bible_txt: Path, seed: int):
                 "tag": tag, "split": "heldout" if held_out(doc) else "train",
                 "source": doc, "kind": kind, "text": text,
             }
+    if extra:
+        for doc, tag, kind, text in extra_chat_prompts(root, random.Random(seed + 16)):
+            if text in seen:
+                continue
+            seen.add(text)
+            yield {"tag": tag, "split": "train", "source": doc, "kind": kind, "text": text, "extra": True}
 
 
 def main():
@@ -431,10 +621,12 @@ def main():
     ap.add_argument("--bible", type=Path, required=True, help="bible.txt dumped by `bible`")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-extra", dest="extra", action="store_false",
+                    help="without the extra chat prompts (the set before session 16)")
     a = ap.parse_args()
     n = 0
     with a.out.open("w") as f:
-        for p in build(a.root / "usr", a.bible, a.seed):
+        for p in build(a.root / "usr", a.bible, a.seed, a.extra):
             f.write(json.dumps(p) + "\n")
             n += 1
     print(f"{n} prompts -> {a.out}")

@@ -24,7 +24,24 @@ from .drafters import assistant_config, dflash_config, mtp_config, param_count
 from .target import Target, TargetConfig, load_gguf
 
 
-def configs_for(tc: TargetConfig, a) -> dict:
+def parse_sizes(spec: str) -> dict:
+    """--size MODEL=layers:3:inter:1536[,MODEL=...] -> {MODEL: {"layers": 3, "inter": 1536}}."""
+    out = {}
+    for item in (x for x in spec.split(",") if x):
+        name, _, kv = item.partition("=")
+        f = kv.split(":")
+        if not name or len(f) % 2 or not f[0]:
+            raise SystemExit(f"--size {item!r}: want MODEL=layers:N[:inter:N]")
+        d = {f[i]: int(f[i + 1]) for i in range(0, len(f), 2)}
+        if bad := sorted(set(d) - {"layers", "inter"}):
+            raise SystemExit(f"--size {item!r}: unknown {', '.join(bad)} (layers, inter)")
+        out[name] = d
+    return out
+
+
+def configs_for(tc: TargetConfig, a, sizes: dict | None = None) -> dict:
+    """Configs by kind, plus one for each model in `sizes` (a DFlash/DSpark variant of its own
+    layer count or MLP width; train.for_model picks a model's own before its kind's)."""
     taps = [round(1 + i * (tc.num_layers - 4) / (a.taps - 1)) for i in range(a.taps)]
     dspark_extra = {
         "architectures": ["DSparkDraftModel"],
@@ -32,12 +49,23 @@ def configs_for(tc: TargetConfig, a) -> dict:
         "enable_confidence_head": True, "confidence_head_with_markov": True,
         "anchor_predicts": True,
     }
-    return {
-        "dflash": dflash_config(tc, a.layers, a.inter, taps, 8),
-        "dspark": dflash_config(tc, a.layers, a.inter, taps, 7, dspark_extra),
+
+    def block(kind, layers, inter):
+        if kind == "dflash":
+            return dflash_config(tc, layers, inter, taps, 8)
+        if kind == "dspark":
+            return dflash_config(tc, layers, inter, taps, 7, dspark_extra)
+        raise SystemExit(f"--size: only dflash and dspark models have a size (not {kind})")
+
+    out = {
+        "dflash": block("dflash", a.layers, a.inter),
+        "dspark": block("dspark", a.layers, a.inter),
         "mtp": mtp_config(tc),
         "assistant": assistant_config(tc, a.assistant_layers, a.assistant_inter, a.assistant_heads),
     }
+    for name, d in (sizes or {}).items():
+        out[name] = block(name.split("_", 1)[0], d.get("layers", a.layers), d.get("inter", a.inter))
+    return out
 
 
 def load_target(gguf_path: Path, work: Path, device) -> Target:
@@ -99,6 +127,9 @@ def main():
     # drafters
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--size", default="", help="MODEL=layers:N:inter:N[,...]: a DFlash/DSpark variant's own size "
+                    "(e.g. dspark_big=layers:3:inter:1536); with --init from a smaller model it starts as that "
+                    "model (train.grow_from: new layers are identity residuals, new MLP neurons add zero)")
     ap.add_argument("--taps", type=int, default=3)
     ap.add_argument("--markov-rank", type=int, default=16)
     ap.add_argument("--assistant-layers", type=int, default=2)
@@ -119,7 +150,10 @@ def main():
     ap.add_argument("--dflash-loss", choices=["ce", "kl"], default="ce",
                     help="DFlash's loss: CE on the answer token (the reference's), or KL to the target's "
                          "distribution + 0.1 CE (distilled)")
-    ap.add_argument("--tag-repeat", default="", help="e.g. chat=2,summarise=2: those prompts twice per epoch")
+    ap.add_argument("--tag-repeat", default="", help="e.g. chat=2,summarise=2: those prompts twice per epoch "
+                    "(extra prompts stay once)")
+    ap.add_argument("--old-data", default="", help="MODEL[,MODEL]: these models skip the extra (session-16) prompts' "
+                    "rows of every batch: the control of an A/B of the extra data on the same batches")
     ap.add_argument("--no-cache-states", dest="cache_states", action="store_false",
                     help="run the target every step instead of caching its taps on the device")
     a = ap.parse_args()
@@ -147,11 +181,15 @@ def main():
     log(f"device {device} {torch.cuda.get_device_name() if device == 'cuda' else ''}; kinds {a.kinds}")
     kinds = a.kinds.split(",")
     # Checked before any stage runs: a misspelt --lr key would otherwise be ignored silently.
-    from .train import base_kind
+    from .train import base_kind, for_model
 
     lrs = {k: float(v) for k, v in (x.split("=") for x in a.lr.split(",") if x)}
     if bad := sorted(set(lrs) - (set(kinds) | {base_kind(k) for k in kinds})):
         raise SystemExit(f"--lr names {', '.join(bad)}: not a trained kind (training {', '.join(kinds)})")
+    sizes = parse_sizes(a.size)
+    old_data = [x for x in a.old_data.split(",") if x]
+    if bad := sorted((set(sizes) | set(old_data)) - set(kinds)):
+        raise SystemExit(f"--size/--old-data name {', '.join(bad)}: not a trained model (training {', '.join(kinds)})")
     t0 = time.time()
     target = load_target(a.gguf, a.work, device)
     spent("load_target", t0)
@@ -189,7 +227,7 @@ def main():
     # -------- train
     from .train import Trainer
 
-    configs = configs_for(target.cfg, a)
+    configs = configs_for(target.cfg, a, sizes)
     hp = {
         "seed": a.seed,
         "lr": {"dflash": 6e-4, "dspark": 6e-4, "mtp": 5e-4, "assistant": 6e-4}
@@ -198,6 +236,7 @@ def main():
         "gamma": {"dflash": 4.0, "dspark": 4.0, "assistant": 4.0}, "anchors": a.anchors,
         "assistant_steps": a.assistant_steps, "assistant_anchors": a.assistant_anchors, "init": dict(x.split("=", 1) for x in a.init.split(",") if x),
         "tag_repeat": {t: int(n) for t, n in (x.split("=") for x in a.tag_repeat.split(",") if x)},
+        "grow": sorted(sizes), "old_data": old_data,
         "tokens_per_batch": a.tokens_per_batch, "rows_per_batch": 48,
         "train_seconds": a.train_seconds, "steps": a.steps,
     }
@@ -262,7 +301,7 @@ def main():
         d = a.work / "export" / k
         quant = None if a.quant == "bf16" else a.quant
         kind = base_kind(k)
-        info = export.write(kind, tr.models[k], configs[kind], target.cfg, fp, d, recipe(k, summary), quant)
+        info = export.write(kind, tr.models[k], for_model(configs, k), target.cfg, fp, d, recipe(k, summary), quant)
         summary.setdefault("export", {})[k] = info
         with tarfile.open(a.out / f"{k}.tar", "w") as t:
             for n in ("config.json", "model.safetensors", "SHA256SUMS", "RECIPE.md"):
@@ -294,6 +333,8 @@ def recipe(kind: str, s: dict) -> str:
         f"--assistant-heads {a['assistant_heads']} --assistant-steps {a['assistant_steps']} "
         f"--assistant-anchors {a['assistant_anchors']} --quant {a['quant']} "
         + (f"--tag-repeat {a['tag_repeat']} " if a.get("tag_repeat") else "")
+        + (f"--size {a['size']} " if a.get("size") else "")
+        + (f"--old-data {a['old_data']} " if a.get("old_data") else "")
         + (f"--init {a['init']} " if a.get("init") else "")
         + (f"--lr {a['lr']} " if a.get("lr") else "")
         + (f"--dflash-loss {a['dflash_loss']} " if a.get("dflash_loss", "ce") != "ce" else "")
@@ -338,7 +379,7 @@ def limit_prompts(src: Path, work: Path, n: int) -> Path:
         nid.extend(ids[off[i] : off[i + 1]].tolist())
         noff.append(len(nid))
     np.savez(out / "prompts.npz", ids=np.array(nid, dtype=np.uint16), offsets=np.array(noff),
-             tags=tags[keep], splits=splits[keep], kept=np.array(keep))
+             tags=tags[keep], splits=splits[keep], extra=gen.load_extra(src)[keep], kept=np.array(keep))
     (out / "prompts.meta.json").write_text((src / "prompts.meta.json").read_text())
     return out
 

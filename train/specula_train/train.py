@@ -46,8 +46,39 @@ def base_kind(k: str) -> str:
 
 
 def for_model(table: dict, k: str):
-    """Model `k`'s entry of a per-kind table (`hp["lr"]`, `hp["init"]`): its own, else its kind's."""
+    """Model `k`'s entry of a per-kind table (`hp["lr"]`, `hp["init"]`, the configs): its own,
+    else its kind's."""
     return table.get(k, table.get(base_kind(k)))
+
+
+@torch.no_grad()
+def grow_from(m: torch.nn.Module, start: dict) -> list[str]:
+    """Loads `start` (a smaller model's state dict of the same kind) into `m` so that `m` computes
+    what `start` computes: a tensor of the same shape is copied; a larger one (a wider MLP) gets
+    `start` in its leading block, and the columns of `down_proj` past it are zero (the new
+    neurons add nothing yet); a layer `start` lacks keeps its fresh init but with `o_proj` and
+    `down_proj` zero (an identity residual layer). Returns the names of the new layers'
+    tensors. A tensor of `start` that `m` lacks, or cannot hold, is an error."""
+    sd = m.state_dict()
+    if missing := sorted(set(start) - set(sd)):
+        raise ValueError(f"the start weights have tensors the model lacks: {missing[:4]}")
+    fresh = []
+    for name, t in sd.items():
+        if name in start:
+            w = start[name].to(t.dtype)
+            if w.shape == t.shape:
+                t.copy_(w)
+                continue
+            if w.dim() != t.dim() or any(a > b for a, b in zip(w.shape, t.shape)):
+                raise ValueError(f"{name}: start {tuple(w.shape)} does not fit in {tuple(t.shape)}")
+            if name.endswith("down_proj.weight"):
+                t.zero_()
+            t[tuple(slice(0, n) for n in w.shape)] = w
+        else:
+            fresh.append(name)
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                t.zero_()
+    return fresh
 
 
 class Schedule:
@@ -82,7 +113,7 @@ class Trainer:
         torch.manual_seed(hp["seed"])
         for k in kinds:
             kind = base_kind(k)
-            c = configs[kind]
+            c = for_model(configs, k)  # a variant may have its own size (run.py --size)
             m = KINDS[kind](c)
             init_weights(m)
             if kind == "dspark":
@@ -104,7 +135,11 @@ class Trainer:
                 from .twin_drafts import load_drafter
 
                 start, _ = load_drafter(Path(init))
-                m.load_state_dict(start.state_dict())  # a shape mismatch stops here, naming the tensor
+                if k in (hp.get("grow") or ()):
+                    # A larger variant starts as the smaller shipped model (same function).
+                    self.grown = getattr(self, "grown", {}) | {k: grow_from(m, start.state_dict())}
+                else:
+                    m.load_state_dict(start.state_dict())  # a shape mismatch stops here, naming the tensor
             m.to(device)
             self.models[k] = m
             self.opts[k] = torch.optim.AdamW(
@@ -113,6 +148,7 @@ class Trainer:
         self.step, self.total = 0, hp.get("steps")
         self.history: list[dict] = []
         self.train_rows = data.indices("train")
+        self.is_extra = data.extra.tolist()  # rows of the extra (session-16) prompts
         self._epochs: dict[int, list[list[int]]] = {}
         self.elapsed = 0.0
         self.sched = Schedule(self.total or 1)
@@ -124,7 +160,12 @@ class Trainer:
         g = torch.Generator().manual_seed(self.hp["seed"] * 1000 + epoch)
         tags = self.data.meta["tags"]
         repeat = self.hp.get("tag_repeat") or {}
-        pool = [i for i in self.train_rows for _ in range(repeat.get(tags[int(self.data.tags[i])], 1))]
+        extra = self.is_extra
+        # Extra (session-16) prompts are in every epoch once: tag_repeat is the earlier recipe's.
+        pool = [
+            i for i in self.train_rows
+            for _ in range(1 if extra[i] else repeat.get(tags[int(self.data.tags[i])], 1))
+        ]
         rows = [pool[i] for i in torch.randperm(len(pool), generator=g)]
         chunk = 64 * self.hp["rows_per_batch"]
         out = []
@@ -361,9 +402,20 @@ class Trainer:
         gen = torch.Generator(device=self.dev).manual_seed(self.hp["seed"] * 7919 + self.step)
         taps, final, kv = self.target_states(rows, ids, lens)
         rec = {"step": self.step, "rows": len(rows), "tokens": int(lens.sum())}
+        old_only = set(self.hp.get("old_data") or ())
+        is_extra = [self.is_extra[i] for i in rows]
+        lens_all = lens
         for k, m in self.models.items():
             opt = self.opts[k]
             kind = base_kind(k)
+            lens = lens_all
+            if k in old_only and any(is_extra):
+                # The control of the extra-data A/B: the same batches without the extra rows. A
+                # row cut to its prompt has no anchor and no loss position.
+                if all(is_extra):
+                    continue
+                keep = torch.tensor([not e for e in is_extra], device=lens.device)
+                lens = torch.where(keep, lens_all, plens)
             lr = for_model(self.hp["lr"], k) * self.sched(self.step)
             for gr in opt.param_groups:
                 gr["lr"] = lr
@@ -461,8 +513,12 @@ def to_floats(recs: list[dict]) -> list[dict]:
     """Step records with 0-dim device tensors -> plain floats, in one host sync."""
     if not recs:
         return []
-    keys = [(k, n) for k, v in recs[0].items() if isinstance(v, dict) for n in v]
-    vals = torch.stack([torch.stack([r[k][n].float() for k, n in keys]) for r in recs]).tolist()
+    keys = list(dict.fromkeys((k, n) for r in recs for k, v in r.items() if isinstance(v, dict) for n in v))
+    dev = next(v for r in recs for v in r.values() if isinstance(v, dict) for v in v.values()).device
+    nan = torch.full((), float("nan"), device=dev)  # a model that skipped a step (train_step)
+    vals = torch.stack([
+        torch.stack([r[k][n].float() if n in r.get(k, {}) else nan for k, n in keys]) for r in recs
+    ]).tolist()
     out = []
     for r, row in zip(recs, vals):
         o = {k: v for k, v in r.items() if not isinstance(v, dict)}

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specula_train import evaluate, export, prompts  # noqa: E402
 from specula_train.drafters import (  # noqa: E402
-    Assistant, DFlash, DSpark, MTP, assistant_config, dflash_config, init_weights, mtp_config,
+    Assistant, DFlash, DSpark, MTP, assistant_config, block_mask, dflash_config, init_weights, mtp_config,
 )
 from specula_train.target import Target, TargetConfig  # noqa: E402
 from specula_train.twin_drafts import load_drafter  # noqa: E402
@@ -296,3 +296,80 @@ def test_rst_blocks_find_code_and_prose():
     assert ("code", "", "x = 1\nprint(x)") in blocks
     assert any(k == "prose" and "continues:" in b for k, _, b in blocks)
     assert prompts.doctest_to_code(">>> a = 2\n>>> a + 1\n3") == "a = 2\na + 1"
+
+
+def test_a_grown_variant_starts_as_the_smaller_model(tmp_path):
+    """`--size` + `--init` from a smaller export (train.grow_from): a DSpark of 2 layers and a
+    twice wider MLP computes exactly what the 1-layer model it grew from computes, trains on,
+    and exports with its own size."""
+    from specula_train.run import configs_for
+    from specula_train.train import Trainer
+
+    t, data = self_distilled(tmp_path)
+    small_cfg = configs_for(TC, ARGS)["dspark"]
+    small = DSpark(small_cfg)
+    init_weights(small, std=0.2)
+    export.write("dspark", small, small_cfg, TC, "f" * 64, tmp_path / "small", "", None)
+    cfgs = configs_for(TC, ARGS, {"dspark_big": {"layers": 2, "inter": 48}})
+    hp = dict(HP, steps=10, tokens_per_batch=900, rows_per_batch=24, grow=["dspark_big"],
+              init={"dspark": str(tmp_path / "small")})
+    tr = Trainer(t, data, ["dspark", "dspark_big"], cfgs, hp, "cpu")
+    big = tr.models["dspark_big"]
+    assert len(big.layers) == 2 and big.layers[0].mlp.up_proj.weight.shape[0] == 48
+    assert sorted({n.split(".")[1] for n in tr.grown["dspark_big"]}) == ["1"]  # only layer 1 is new
+    g = torch.Generator().manual_seed(3)
+    T = 10
+    taps = torch.randn(2, T, 2 * TC.hidden_size, generator=g)
+    ids = torch.randint(3, TC.vocab_size, (2, T), generator=g)
+    anchors, valid = torch.tensor([[3, 6], [2, 5]]), torch.ones(2, 2, dtype=torch.bool)
+    Bk = small_cfg["block_size"]
+    x = small.block_embeddings(t.embed, ids.gather(1, anchors), Bk)
+    bpos = (anchors[:, :, None] + torch.arange(Bk)).reshape(2, -1)
+    mask = block_mask(anchors, valid, T, Bk)
+    with torch.no_grad():
+        want = tr.models["dspark"](taps, torch.arange(T).expand(2, T), x, bpos, mask)
+        got = big(taps, torch.arange(T).expand(2, T), x, bpos, mask)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    tr.cache_target_states()
+    for _ in range(3):
+        tr.train_step()
+    assert big.layers[1].self_attn.o_proj.weight.abs().sum() > 0  # the new layer learns
+    export.write("dspark", big, cfgs["dspark_big"], TC, "f" * 64, tmp_path / "big", "")
+    back, cfg = load_drafter(tmp_path / "big")
+    assert cfg["num_hidden_layers"] == 2 and cfg["intermediate_size"] == 48
+
+
+def test_an_old_data_variant_never_sees_the_extra_rows(tmp_path):
+    """`--old-data`: a model trained on the same batches without the extra prompts' rows takes
+    the same step whatever those rows hold; the model beside it does see them."""
+    from specula_train.run import configs_for
+    from specula_train.train import Trainer
+
+    losses = []
+    for variant in range(2):
+        t, data = self_distilled(tmp_path)
+        data.extra = torch.arange(len(data.lens)) % 2 == 1
+        if variant:
+            for i in range(1, len(data.lens), 2):  # other answers in the extra rows only
+                o, p, e = int(data.offsets[i]), int(data.prompt_lens[i]), int(data.offsets[i + 1])
+                data.ids[o + p : e] = (data.ids[o + p : e] + 7) % TC.vocab_size
+        hp = dict(HP, steps=5, tokens_per_batch=900, rows_per_batch=24, old_data=["dspark_old"])
+        tr = Trainer(t, data, ["dspark", "dspark_old"], configs_for(TC, ARGS), hp, "cpu")
+        tr.cache_target_states()
+        losses.append({k: float(v["loss"]) for k, v in tr.train_step().items() if isinstance(v, dict)})
+    assert abs(losses[0]["dspark_old"] - losses[1]["dspark_old"]) < 1e-6
+    assert losses[0]["dspark"] != losses[1]["dspark"]
+
+
+def test_extra_prompts_leave_the_earlier_selection_alone():
+    """The extra chat prompts are chosen after the others with their own random stream: the
+    earlier prompts are selected exactly as before, and extras are training prompts only."""
+    from specula_train import encode_prompts as ep
+
+    base = [{"tag": t, "split": s, "text": f"{t}{s}{i}"} for t in ("chat", "code-c") for s in ("train", "heldout") for i in range(5000)]
+    extra = [{"tag": "chat", "split": "train", "text": f"x{i}", "extra": True} for i in range(30000)]
+    before = ep.select([dict(p) for p in base], 0)
+    after = ep.select([dict(p) for p in base + extra], 0)
+    assert [p for p in after if not p.get("extra")] == before
+    assert sum(bool(p.get("extra")) for p in after) == 2 * ep.EXTRA_CAPS["chat"]
+    assert ep.select([dict(p) for p in base + extra], 0, extra=False) == before
