@@ -19,6 +19,7 @@ pub mod kv_pool;
 pub mod layers;
 pub mod loader;
 pub mod model;
+pub mod par;
 pub mod random;
 pub mod sampling;
 pub mod testing;

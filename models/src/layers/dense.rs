@@ -10,7 +10,7 @@
 //! how many rows (or which other rows) share the call:
 //!
 //! ```text
-//!  rayon over blocks of COLS_PER_TASK weight rows (output columns)
+//!  `par` over blocks of COLS_PER_TASK weight rows (output columns)
 //!    for each tile of up to MR activation rows (8 on avx512, 4 on avx2)
 //!      for each tile of NR = 3 weight rows (f16/bf16 converted to f32 in registers)
 //!        for i in (0..k).step_by(L):  acc[r][c] = fma(x[r][i..i+L], w[c][i..i+L], acc[r][c])
@@ -20,13 +20,12 @@
 //! Half-precision weights are converted per tile in registers, never into a dequantized copy.
 
 use half::{bf16, f16};
-use rayon::prelude::*;
 
 use super::simd::{Isa, Level};
 
 /// Weight rows per weight tile.
 const NR: usize = 3;
-/// Output columns per rayon task (a multiple of [`NR`]).
+/// Output columns per parallel task (a multiple of [`NR`]).
 const COLS_PER_TASK: usize = 8 * NR;
 
 /// A borrowed dense weight `[n, k]`, row-major.
@@ -60,17 +59,14 @@ pub(crate) fn matmul(isa: Isa, w: Weights<'_>, n: usize, xs: &[f32], m: usize) -
     );
     // out_t[j * m + r] = y[r, j]: each task owns a contiguous range of output columns.
     let mut out_t = vec![0f32; n * m];
-    out_t
-        .par_chunks_mut(COLS_PER_TASK * m)
-        .enumerate()
-        .for_each(|(t, out)| {
-            let j0 = t * COLS_PER_TASK;
-            match w {
-                Weights::F32(w) => task(isa, &w[j0 * k..], xs, m, k, out),
-                Weights::F16(w) => task(isa, &w[j0 * k..], xs, m, k, out),
-                Weights::Bf16(w) => task(isa, &w[j0 * k..], xs, m, k, out),
-            }
-        });
+    crate::par::chunks_mut(&mut out_t, COLS_PER_TASK * m, |t, out| {
+        let j0 = t * COLS_PER_TASK;
+        match w {
+            Weights::F32(w) => task(isa, &w[j0 * k..], xs, m, k, out),
+            Weights::F16(w) => task(isa, &w[j0 * k..], xs, m, k, out),
+            Weights::Bf16(w) => task(isa, &w[j0 * k..], xs, m, k, out),
+        }
+    });
     match m {
         1 => out_t,
         _ => (0..m)

@@ -58,22 +58,16 @@ impl Mlp {
 /// `silu(gate) * up` on the host in one pass, with candle's f32 operations (`g / (1 + e^-g)`,
 /// then the product), so the same bits as its two ops without their intermediate tensor.
 fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    use rayon::prelude::*;
     let g: Vec<f32> = gate.flatten_all()?.to_vec1()?;
     let u: Vec<f32> = up.flatten_all()?.to_vec1()?;
     let mut out = vec![0f32; g.len()];
-    let f = |(o, (g, u)): (&mut [f32], (&[f32], &[f32]))| {
+    const CHUNK: usize = 1 << 14;
+    crate::par::chunks_mut(&mut out, CHUNK, |c, o| {
+        let (g, u) = (&g[c * CHUNK..], &u[c * CHUNK..]);
         for (o, (&g, &u)) in o.iter_mut().zip(g.iter().zip(u)) {
             *o = g / (1.0 + (-g).exp()) * u;
         }
-    };
-    const CHUNK: usize = 1 << 14;
-    match g.len() > CHUNK {
-        true => (out.par_chunks_mut(CHUNK))
-            .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
-            .for_each(f),
-        false => f((&mut out, (&g, &u))),
-    }
+    });
     Ok(Tensor::from_vec(out, gate.shape(), gate.device())?)
 }
 

@@ -196,10 +196,9 @@ impl Model {
                 return Err(e);
             }
         }
-        // On a rayon worker the kernels' parallel loops fork and join through work stealing
-        // with spinning latches; from any other thread each of the ~10 loops per layer would
-        // block the caller on a futex until the pool finishes (a wake-up and a sleep per loop,
-        // ~12% of a one-row SmolLM2 step's CPU). So the whole forward runs on the pool.
+        // Our kernels' loops run on `crate::par`; candle's own parallel ops run on rayon, and
+        // from outside rayon's pool each would block the caller on a futex until the pool
+        // finishes (a wake-up and a sleep per op). So the whole forward runs on that pool.
         let mut run = || self.run(batch, &plan, &starts, pool);
         let out = match rayon::current_thread_index() {
             Some(_) => run(),

@@ -10,7 +10,7 @@
 //! across the query heads that share a KV head (GQA without repeating K/V).
 //!
 //! ```text
-//!  unit = (sequence, kv head, tile of <= TILE rows)               rayon over units
+//!  unit = (sequence, kv head, tile of <= TILE rows)               `par` over units
 //!  for block b of the sequence (ascending):  Kt [d][32], V [32][d] of the kv head
 //!    for each pair of queries (row, query head of the group) with keys in the block:
 //!      s[q][j] = Σ_i q[q][i] Kt[i][j]        (i ascending; one Kt load serves both queries)
@@ -30,8 +30,6 @@
 //! build gives the same bits.
 
 use std::ops::Range;
-
-use rayon::prelude::*;
 
 use lanes::Lanes;
 
@@ -152,22 +150,20 @@ pub fn attend_on(
         })
         .collect();
     let groups = n_heads / kv_heads;
-    let parts: Vec<Vec<f32>> = units
-        .par_iter()
-        .map(|&(s, h, r0, r1)| {
-            let unit = Unit {
-                q,
-                span: &spans[s],
-                pool,
-                slot,
-                shape,
-                kv_head: h,
-                r0,
-                r1,
-            };
-            unit.run(path)
-        })
-        .collect();
+    let parts: Vec<Vec<f32>> = crate::par::map(units.len(), |u| {
+        let (s, h, r0, r1) = units[u];
+        let unit = Unit {
+            q,
+            span: &spans[s],
+            pool,
+            slot,
+            shape,
+            kv_head: h,
+            r0,
+            r1,
+        };
+        unit.run(path)
+    });
     let mut out = vec![0f32; q.len()];
     for (&(s, h, r0, r1), part) in units.iter().zip(parts) {
         for (r, rows) in (r0..r1).zip(part.chunks_exact(groups * d)) {

@@ -20,7 +20,7 @@
 //!
 //! ```text
 //!  W  [n, k] packed groups of 16 rows      X  [m, k] f32 -> m rows of 8-bit values + scales
-//!  rayon over tasks of ROWS_PER_TASK weight rows:
+//!  `par` over tasks of ROWS_PER_TASK weight rows:
 //!    per group of 16 weight rows, per 8 activation rows: 16 x 8 outputs
 //!  (several weights on one input, q|k|v or gate|up: one loop over all their tasks)
 //! ```
@@ -41,14 +41,13 @@ use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::layers::simd::{Isa, Level};
 use groups::{Columns, LANES};
 use packed::{Packed, QK};
 
-/// Weight rows per rayon task: enough work to amortise scheduling (a multiple of [`LANES`]).
+/// Weight rows per parallel task: enough work to amortise scheduling (a multiple of [`LANES`]).
 const ROWS_PER_TASK: usize = 2 * LANES;
 
 /// Whether [`QWeight::new`] takes weights of this type.
@@ -317,12 +316,12 @@ pub fn matmul_many(isa: Isa, ws: &[&QWeight], xs: &Tensor) -> Result<Vec<Tensor>
             let columns = Columns::split(out, m, w.shape().0, ROWS_PER_TASK);
             tasks.extend(columns.into_iter().enumerate().map(|(t, c)| (i, t, c)));
         }
-        tasks.into_par_iter().for_each(|(i, t, mut out)| {
-            let g0 = t * ROWS_PER_TASK / LANES;
-            match &ws[i].inner {
-                Inner::Packed(p) => p.rows_task(isa, &r32, g0, &mut out),
-                Inner::KPacked(p) => p.rows_task(isa, &rk, g0, &mut out),
-                Inner::K6Packed(p) => p.rows_task(isa, &rk, g0, &mut out),
+        crate::par::for_each_mut(&mut tasks, |_, (i, t, out)| {
+            let g0 = *t * ROWS_PER_TASK / LANES;
+            match &ws[*i].inner {
+                Inner::Packed(p) => p.rows_task(isa, &r32, g0, out),
+                Inner::KPacked(p) => p.rows_task(isa, &rk, g0, out),
+                Inner::K6Packed(p) => p.rows_task(isa, &rk, g0, out),
             }
         });
     }
