@@ -353,8 +353,9 @@ def bible_prompts(bible_txt: Path, rng: random.Random):
     yield from emit()
 
 
-def wordnet_synsets(root: Path):
-    """(offset, pos, words, gloss) for every noun, verb and adjective synset."""
+def wordnet_records(root: Path):
+    """(pos, fields, words, gloss) for every line of WordNet's noun, verb and adjective data
+    files: `fields` is the line's head split on spaces (offset, lex file, ..., pointers)."""
     for pos, name in (("n", "noun"), ("v", "verb"), ("a", "adj")):
         for line in (root / f"share/wordnet/data.{name}").read_text(errors="replace").splitlines():
             if line.startswith("  "):
@@ -362,9 +363,14 @@ def wordnet_synsets(root: Path):
             head, _, gloss = line.partition(" | ")
             f = head.split()
             cnt = int(f[3], 16)
-            words = [f[4 + 2 * i].replace("_", " ") for i in range(cnt)]
-            words = [re.sub(r"\(.*\)$", "", w) for w in words]
-            yield f[0], pos, words, gloss.strip()
+            words = [re.sub(r"\(.*\)$", "", f[4 + 2 * i].replace("_", " ")) for i in range(cnt)]
+            yield pos, f, words, gloss.strip()
+
+
+def wordnet_synsets(root: Path):
+    """(offset, pos, words, gloss) for every noun, verb and adjective synset."""
+    for pos, f, words, gloss in wordnet_records(root):
+        yield f[0], pos, words, gloss
 
 
 def wordnet_prompts(root: Path, rng: random.Random):
@@ -485,17 +491,10 @@ def wordnet_graph(root: Path):
     """Synsets with their pointers, and which (lemma, synset) senses are familiar: tagged in
     WordNet's sense-tagged corpus (index.* tagsense_cnt), i.e. words in everyday use."""
     syn = {}
-    for pos, name in (("n", "noun"), ("v", "verb"), ("a", "adj")):
-        for line in (root / f"share/wordnet/data.{name}").read_text(errors="replace").splitlines():
-            if line.startswith("  "):
-                continue
-            head, _, gloss = line.partition(" | ")
-            f = head.split()
-            cnt = int(f[3], 16)
-            words = [re.sub(r"\(.*\)$", "", f[4 + 2 * i].replace("_", " ")) for i in range(cnt)]
-            k = 4 + 2 * cnt
-            ptrs = [(f[k + 1 + 4 * j], f[k + 2 + 4 * j], f[k + 3 + 4 * j]) for j in range(int(f[k]))]
-            syn[(pos, f[0])] = {"lex": int(f[1]), "words": words, "gloss": gloss.strip(), "ptrs": ptrs}
+    for pos, f, words, gloss in wordnet_records(root):
+        k = 4 + 2 * len(words)
+        ptrs = [(f[k + 1 + 4 * j], f[k + 2 + 4 * j], f[k + 3 + 4 * j]) for j in range(int(f[k]))]
+        syn[(pos, f[0])] = {"lex": int(f[1]), "words": words, "gloss": gloss, "ptrs": ptrs}
     familiar = set()
     for pos, name in (("n", "noun"), ("v", "verb"), ("a", "adj")):
         for line in (root / f"share/wordnet/index.{name}").read_text(errors="replace").splitlines():
