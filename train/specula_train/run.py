@@ -39,6 +39,18 @@ def parse_sizes(spec: str) -> dict:
     return out
 
 
+def parse_tag_weights(spec: str) -> dict:
+    """--tag-weight mtp_chat=chat:3[:summarise:2][,MODEL=...] -> {"mtp_chat": {"chat": 3.0, ...}}."""
+    out = {}
+    for item in (x for x in spec.split(",") if x):
+        name, _, kv = item.partition("=")
+        f = kv.split(":")
+        if not name or len(f) % 2 or not f[0]:
+            raise SystemExit(f"--tag-weight {item!r}: want MODEL=TAG:W[:TAG:W]")
+        out[name] = {f[i]: float(f[i + 1]) for i in range(0, len(f), 2)}
+    return out
+
+
 def configs_for(tc: TargetConfig, a, sizes: dict | None = None) -> dict:
     """Configs by kind, plus one for each model in `sizes` (a DFlash/DSpark variant of its own
     layer count or MLP width; train.for_model picks a model's own before its kind's)."""
@@ -152,6 +164,8 @@ def main():
                          "distribution + 0.1 CE (distilled)")
     ap.add_argument("--tag-repeat", default="", help="e.g. chat=2,summarise=2: those prompts twice per epoch "
                     "(extra prompts stay once)")
+    ap.add_argument("--tag-weight", default="", help="MODEL=TAG:W[:TAG:W][,MODEL=...]: an MTP model's loss weights "
+                    "the rows of those tags W times (e.g. mtp_chat=chat:3; the batches stay those of every model)")
     ap.add_argument("--old-data", default="", help="MODEL[,MODEL]: these models skip the extra (session-16) prompts' "
                     "rows of every batch: the control of an A/B of the extra data on the same batches")
     ap.add_argument("--no-cache-states", dest="cache_states", action="store_false",
@@ -188,6 +202,9 @@ def main():
         raise SystemExit(f"--lr names {', '.join(bad)}: not a trained kind (training {', '.join(kinds)})")
     sizes = parse_sizes(a.size)
     old_data = [x for x in a.old_data.split(",") if x]
+    tag_weight = parse_tag_weights(a.tag_weight)
+    if bad := sorted(k for k in tag_weight if k not in kinds or base_kind(k) != "mtp"):
+        raise SystemExit(f"--tag-weight names {', '.join(bad)}: not a trained MTP model (training {', '.join(kinds)})")
     if bad := sorted((set(sizes) | set(old_data)) - set(kinds)):
         raise SystemExit(f"--size/--old-data name {', '.join(bad)}: not a trained model (training {', '.join(kinds)})")
     t0 = time.time()
@@ -236,7 +253,7 @@ def main():
         "gamma": {"dflash": 4.0, "dspark": 4.0, "assistant": 4.0}, "anchors": a.anchors,
         "assistant_steps": a.assistant_steps, "assistant_anchors": a.assistant_anchors, "init": dict(x.split("=", 1) for x in a.init.split(",") if x),
         "tag_repeat": {t: int(n) for t, n in (x.split("=") for x in a.tag_repeat.split(",") if x)},
-        "grow": sorted(sizes), "old_data": old_data,
+        "grow": sorted(sizes), "old_data": old_data, "tag_weight": tag_weight,
         "tokens_per_batch": a.tokens_per_batch, "rows_per_batch": 48,
         "train_seconds": a.train_seconds, "steps": a.steps,
     }
@@ -335,6 +352,7 @@ def recipe(kind: str, s: dict) -> str:
         + (f"--tag-repeat {a['tag_repeat']} " if a.get("tag_repeat") else "")
         + (f"--size {a['size']} " if a.get("size") else "")
         + (f"--old-data {a['old_data']} " if a.get("old_data") else "")
+        + (f"--tag-weight {a['tag_weight']} " if a.get("tag_weight") else "")
         + (f"--init {a['init']} " if a.get("init") else "")
         + (f"--lr {a['lr']} " if a.get("lr") else "")
         + (f"--dflash-loss {a['dflash_loss']} " if a.get("dflash_loss", "ce") != "ce" else "")

@@ -11,7 +11,8 @@ Losses (per the references):
           hp["dflash_loss"] = "kl", KL to the target's distribution + 0.1*CE instead.
   DSpark: slots 0..g-1 (the anchor slot predicts), weights exp(-k/gamma) from k = 0 as DeepSpec's
           code does; 0.1*CE + 0.9*TV(p_draft, p_target) + 1.0*BCE(conf, 1 - TV detached).
-  MTP:    KL to the target's next-next distribution + 0.1*CE on the response token.
+  MTP:    KL to the target's next-next distribution + 0.1*CE on the response token; a `mtp_top1`
+          variant KL + 1.0*CE on the target's argmax; hp["tag_weight"] weights a model's rows by tag.
   Assistant: at random pending positions P, `assistant_steps` chained steps with the true tokens
           as inputs (= the drafter's own drafts for as long as they are accepted: what verify
           scores) and its own projected hidden; KL to the target's distribution at P+j plus
@@ -145,6 +146,15 @@ class Trainer:
             self.opts[k] = torch.optim.AdamW(
                 m.parameters(), lr=for_model(hp["lr"], k), betas=(0.9, 0.95), weight_decay=0.01, fused=device != "cpu"
             )
+        # --tag-weight: {model: {tag: w}} -> a weight per tag index for that model's rows (MTP only).
+        self.tag_w = {}
+        tag_names = data.meta["tags"]
+        for k, tw in (hp.get("tag_weight") or {}).items():
+            if k not in self.models or base_kind(k) != "mtp":
+                raise SystemExit(f"--tag-weight {k}: not a trained MTP model (training {', '.join(kinds)})")
+            if bad := sorted(set(tw) - set(tag_names)):
+                raise SystemExit(f"--tag-weight {k}: unknown tag {', '.join(bad)} (tags: {', '.join(tag_names)})")
+            self.tag_w[k] = torch.tensor([float(tw.get(t, 1.0)) for t in tag_names], device=device)
         self.step, self.total = 0, hp.get("steps")
         self.history: list[dict] = []
         self.train_rows = data.indices("train")
@@ -317,29 +327,46 @@ class Trainer:
             "acc1": hit[sel[2] == 0].mean(), "acc": hit.mean(),
         }
 
-    def loss_mtp(self, m: MTP, ids, lens, plens, final):
+    def mtp_targets(self, ids, lens, plens, final):
+        """An MTP step's loss positions (b, t: the head at t predicts token t+2), their answer
+        tokens, the target's distribution there and its negative entropy (the constant part of
+        the KL). The same for every MTP model on the batch, so `train_step` computes it once."""
+        T = ids.shape[1]
+        t = torch.arange(T - 2, device=ids.device)[None]
+        ok = (t + 2 < lens[:, None]) & (t + 2 >= plens[:, None])
+        b, tt = ok.nonzero(as_tuple=True)
+        with torch.no_grad():
+            pt = (final[b, tt + 1] @ self.t.lm_head.T).float().softmax(-1)
+            negent = (pt * pt.clamp_min(1e-12).log()).sum(-1)
+        return b, tt, ids[b, tt + 2], pt, negent
+
+    def loss_mtp(self, m: MTP, ids, lens, plens, final, mode="kl", row_w=None, shared=None):
+        """KL to the target's next-next distribution + 0.1 CE on the answer token (mode "kl"), or
+        KL + 1.0 CE on the target's argmax, the token greedy verify accepts (mode "top1"). Every
+        answer position counts; `row_w` [B] weights a row's positions (`hp["tag_weight"]`)."""
         B, T = ids.shape
+        b, tt, labels, pt, negent = shared if shared is not None else self.mtp_targets(ids, lens, plens, final)
         emb_next = self.t.embed[ids[:, 1:]].float()
         h = final[:, :-1].float()
         pos = torch.arange(T - 1, device=ids.device).expand(B, T - 1)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):
             _, hn = m(emb_next, h, pos)
-        t = torch.arange(T - 2, device=ids.device)[None]
-        ok = (t + 2 < lens[:, None]) & (t + 2 >= plens[:, None])
-        sel = ok.nonzero(as_tuple=True)
-        b, tt = sel
-        labels = ids[b, tt + 2]
-        with torch.no_grad():
-            pt = (final[b, tt + 1] @ self.t.lm_head.T).float().softmax(-1)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):
             hs = hn[b, tt]
             logits = (hs @ self.t.lm_head.T.to(hs.dtype)).float()
         logp = logits.log_softmax(-1)
-        kl = (pt * (pt.clamp_min(1e-12).log() - logp)).sum(-1).mean()
-        ce = F.nll_loss(logp, labels)
-        loss = kl + 0.1 * ce
+        kl = negent - (pt * logp).sum(-1)
+        if mode == "top1":
+            per = kl + F.nll_loss(logp, pt.argmax(-1), reduction="none")
+        else:
+            per = kl + 0.1 * F.nll_loss(logp, labels, reduction="none")
+        if row_w is None:
+            loss = per.mean()
+        else:
+            w = row_w[b]
+            loss = (per * w).sum() / w.sum()
         acc = (logits.argmax(-1) == labels).float().mean()
-        return loss, {"loss": loss.detach(), "kl": kl.detach(), "acc1": acc}
+        return loss, {"loss": loss.detach(), "kl": kl.detach().mean(), "acc1": acc}
 
     # ------------------------------------------------------------ loop
     def cache_target_states(self, log=None, rows_per_forward: int = 256):
@@ -405,6 +432,8 @@ class Trainer:
         old_only = set(self.hp.get("old_data") or ())
         is_extra = [self.is_extra[i] for i in rows]
         lens_all = lens
+        mtp_shared = None
+        row_tags = torch.as_tensor([int(self.data.tags[i]) for i in rows], device=self.dev) if self.tag_w else None
         for k, m in self.models.items():
             opt = self.opts[k]
             kind = base_kind(k)
@@ -429,7 +458,17 @@ class Trainer:
             elif kind == "assistant":
                 loss, info = self.loss_assistant(m, ids, lens, plens, final, kv, gen)
             else:
-                loss, info = self.loss_mtp(m, ids, lens, plens, final)
+                # A `_top1` variant trains on the target's argmax; a `--tag-weight` model weights rows
+                # by tag. The target's side of the loss is shared by the MTP models of the batch.
+                mode = "top1" if k.partition("_")[2] == "top1" else "kl"
+                row_w = self.tag_w[k][row_tags] if k in self.tag_w else None
+                if lens is lens_all:
+                    if mtp_shared is None:
+                        mtp_shared = self.mtp_targets(ids, lens, plens, final)
+                    shared = mtp_shared
+                else:
+                    shared = None
+                loss, info = self.loss_mtp(m, ids, lens, plens, final, mode, row_w, shared)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             info["grad_norm"] = torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)

@@ -373,3 +373,70 @@ def test_extra_prompts_leave_the_earlier_selection_alone():
     assert [p for p in after if not p.get("extra")] == before
     assert sum(bool(p.get("extra")) for p in after) == 2 * ep.EXTRA_CAPS["chat"]
     assert ep.select([dict(p) for p in base + extra], 0, extra=False) == before
+
+
+def test_mtp_variants_share_the_target_side_and_weight_rows_by_tag(tmp_path):
+    """MTP models on the same batches (`mtp,mtp_top1,mtp_chat`): the target's side of the loss,
+    computed once per step, gives a model the loss it gets trained alone; `--tag-weight` is the
+    position-weighted mean with each row's weight (weight 1 changes nothing); `_top1` and
+    weighted models learn and export as an MTP the loader reads back; a weight for a model that
+    is no MTP, or for an unknown tag, stops the run."""
+    import pytest
+
+    from specula_train.run import configs_for, parse_tag_weights
+    from specula_train.train import Trainer, to_floats
+
+    t, data = self_distilled(tmp_path)
+    data.tags = torch.arange(len(data.lens)) % 2  # two tags, so a weight has something to weigh
+    data.meta["tags"] = ["chat", "code-c"]
+    hp = dict(HP, steps=30, tokens_per_batch=900, rows_per_batch=24)
+    alone = Trainer(t, data, ["mtp"], configs_for(TC, ARGS), hp, "cpu")
+    alone.cache_target_states()
+    want = float(alone.train_step()["mtp"]["loss"])
+
+    assert parse_tag_weights("mtp_one=chat:1,mtp_chat=chat:3:code-c:0.5") == {
+        "mtp_one": {"chat": 1.0}, "mtp_chat": {"chat": 3.0, "code-c": 0.5}}
+    hp2 = dict(hp, tag_weight=parse_tag_weights("mtp_one=chat:1,mtp_chat=chat:3"))
+    kinds = ["mtp", "mtp_one", "mtp_top1", "mtp_chat"]
+    tr = Trainer(t, data, kinds, configs_for(TC, ARGS), hp2, "cpu")
+    for k in kinds[1:]:
+        tr.models[k].load_state_dict(tr.models["mtp"].state_dict())
+    tr.cache_target_states()
+
+    # The weighted loss, from the per-row means: sum_b w_b n_b L_b / sum_b w_b n_b.
+    rows = tr.batch_at(0)
+    ids, lens, plens = data.batch(rows, "cpu")
+    _, final, _ = tr.target_states(rows, ids, lens)
+    shared = tr.mtp_targets(ids, lens, plens, final)
+    m = tr.models["mtp_chat"]
+    w = torch.tensor([3.0 if int(data.tags[i]) == 0 else 1.0 for i in rows])
+    got = float(tr.loss_mtp(m, ids, lens, plens, final, "kl", w, shared)[0])
+    assert abs(float(tr.loss_mtp(m, ids, lens, plens, final, "kl", torch.ones(len(rows)), shared)[0]) - want) < 1e-5
+    num = den = 0.0
+    for b in range(len(rows)):
+        n = int((shared[0] == b).sum())
+        if n:
+            one = torch.zeros(len(rows))
+            one[b] = 1.0
+            num += float(w[b]) * n * float(tr.loss_mtp(m, ids, lens, plens, final, "kl", one, shared)[0])
+            den += float(w[b]) * n
+    assert abs(got - num / den) < 1e-4, (got, num / den)
+
+    recs = to_floats([tr.train_step() for _ in range(30)])
+    assert abs(recs[0]["mtp"]["loss"] - want) < 1e-5
+    assert abs(recs[0]["mtp_one"]["loss"] - want) < 1e-5
+    assert abs(recs[0]["mtp_chat"]["loss"] - want) > 1e-4  # both tags in the first batch
+    assert recs[0]["mtp_top1"]["loss"] > recs[0]["mtp"]["loss"]  # 1.0 CE on the argmax instead of 0.1 CE
+    for k in ("mtp_top1", "mtp_chat"):
+        first = sum(r[k]["loss"] for r in recs[:3]) / 3
+        last = sum(r[k]["loss"] for r in recs[-3:]) / 3
+        assert last < 0.9 * first, (k, first, last)
+    d = tmp_path / "x"
+    export.write("mtp", tr.models["mtp_top1"], mtp_config(TC), TC, "f" * 64, d, "")
+    back, _ = load_drafter(d)
+    assert type(back) is MTP
+
+    with pytest.raises(SystemExit):
+        Trainer(t, data, ["mtp", "dflash"], configs_for(TC, ARGS), dict(hp, tag_weight={"dflash": {"chat": 2.0}}), "cpu")
+    with pytest.raises(SystemExit):
+        Trainer(t, data, ["mtp"], configs_for(TC, ARGS), dict(hp, tag_weight={"mtp": {"poetry": 2.0}}), "cpu")
