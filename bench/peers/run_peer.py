@@ -34,9 +34,6 @@ import time
 import traceback
 
 THREADS = 2
-# OpenMP threads (torch) spin-wait by default; on a loaded 2-core box that made transformers
-# 20x slower than passive waiting. Export OMP_WAIT_POLICY=ACTIVE to measure the default.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 class Skip(Exception):
@@ -279,6 +276,13 @@ class Transformers(HfFolderPeer):
     """Hugging Face transformers generate(): plain, prompt lookup, or assisted by a draft model."""
 
     def __init__(self, config: dict, args) -> None:
+        # torch's OpenMP threads spin-wait by default; on a loaded 2-core box that made
+        # transformers 20x slower than passive waiting. Set here, before torch loads, and not for
+        # the whole script: ggml's OpenMP threads read the same variable, and PASSIVE made
+        # llama.cpp decode SmolLM2 3.4x slower (23 vs 78 tok/s). Each engine runs in a worker
+        # of its own (`worker_plan`), so the setting stays in this one's process. Export
+        # OMP_WAIT_POLICY=ACTIVE to measure torch's default.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         torch = require("torch")
         transformers = require("transformers")
         torch.set_num_threads(THREADS)
@@ -370,6 +374,8 @@ def with_fast_blas(configs: list[dict]) -> None:
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (lib_dir, env.get("LD_LIBRARY_PATH")) if p)
     env.setdefault("MKL_THREADING_LAYER", "GNU")
     env.setdefault("MKL_NUM_THREADS", str(THREADS))
+    # As for torch (see Transformers): MKL's GNU OpenMP threads wait passively between calls.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
 

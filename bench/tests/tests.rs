@@ -69,3 +69,31 @@ fn tiny_suite_runs_end_to_end() {
         "{svg}"
     );
 }
+
+/// The peer worker leaves OpenMP's wait policy alone for llama.cpp: loading `run_peer.py` must
+/// not set `OMP_WAIT_POLICY` for the whole process (PASSIVE, meant for torch, made ggml's
+/// OpenMP threads sleep between ops: llama.cpp decoded SmolLM2 3.4x slower in `bench/run`).
+/// Only the transformers runner sets it, before torch loads.
+#[test]
+fn the_peer_worker_sets_omp_wait_policy_only_for_torch() {
+    let peers = concat!(env!("CARGO_MANIFEST_DIR"), "/peers");
+    let probe = "import os, sys, inspect; sys.path.insert(0, sys.argv[1]); import run_peer; \
+                 print(os.environ.get('OMP_WAIT_POLICY')); \
+                 print('OMP_WAIT_POLICY' in inspect.getsource(run_peer.Transformers.__init__))";
+    let out = Command::new("python3")
+        .args(["-c", probe, peers])
+        .env_remove("OMP_WAIT_POLICY")
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        stdout.lines().collect::<Vec<_>>(),
+        ["None", "True"],
+        "{stdout}"
+    );
+}
