@@ -24,31 +24,30 @@ from .drafters import assistant_config, dflash_config, mtp_config, param_count
 from .target import Target, TargetConfig, load_gguf
 
 
-def parse_sizes(spec: str) -> dict:
-    """--size MODEL=layers:3:inter:1536[,MODEL=...] -> {MODEL: {"layers": 3, "inter": 1536}}."""
+def parse_model_pairs(flag: str, spec: str, want: str, cast, keys: tuple = ()) -> dict:
+    """`MODEL=K:V[:K:V][,MODEL=...]` -> {MODEL: {K: cast(V), ...}}; `want` names the form in errors,
+    `keys` (when given) the only K allowed."""
     out = {}
     for item in (x for x in spec.split(",") if x):
         name, _, kv = item.partition("=")
         f = kv.split(":")
         if not name or len(f) % 2 or not f[0]:
-            raise SystemExit(f"--size {item!r}: want MODEL=layers:N[:inter:N]")
-        d = {f[i]: int(f[i + 1]) for i in range(0, len(f), 2)}
-        if bad := sorted(set(d) - {"layers", "inter"}):
-            raise SystemExit(f"--size {item!r}: unknown {', '.join(bad)} (layers, inter)")
+            raise SystemExit(f"{flag} {item!r}: want {want}")
+        d = {f[i]: cast(f[i + 1]) for i in range(0, len(f), 2)}
+        if keys and (bad := sorted(set(d) - set(keys))):
+            raise SystemExit(f"{flag} {item!r}: unknown {', '.join(bad)} ({', '.join(keys)})")
         out[name] = d
     return out
 
 
+def parse_sizes(spec: str) -> dict:
+    """--size MODEL=layers:3:inter:1536[,MODEL=...] -> {MODEL: {"layers": 3, "inter": 1536}}."""
+    return parse_model_pairs("--size", spec, "MODEL=layers:N[:inter:N]", int, ("layers", "inter"))
+
+
 def parse_tag_weights(spec: str) -> dict:
     """--tag-weight mtp_chat=chat:3[:summarise:2][,MODEL=...] -> {"mtp_chat": {"chat": 3.0, ...}}."""
-    out = {}
-    for item in (x for x in spec.split(",") if x):
-        name, _, kv = item.partition("=")
-        f = kv.split(":")
-        if not name or len(f) % 2 or not f[0]:
-            raise SystemExit(f"--tag-weight {item!r}: want MODEL=TAG:W[:TAG:W]")
-        out[name] = {f[i]: float(f[i + 1]) for i in range(0, len(f), 2)}
-    return out
+    return parse_model_pairs("--tag-weight", spec, "MODEL=TAG:W[:TAG:W]", float)
 
 
 def configs_for(tc: TargetConfig, a, sizes: dict | None = None) -> dict:
