@@ -226,6 +226,123 @@ __device__ __forceinline__ void skinny_gemm_body(const bf16* __restrict__ X,
   if constexpr (CS > 1) cg::this_cluster().sync();
 }
 
+// The projections over 16 output columns a block (two mma tiles a warp): each activation
+// fragment feeds two weight tiles (half the activation loads per weight byte of the 8-column
+// kernel: the cost of windows of many rows), twice the weight bytes in flight a warp, half the
+// blocks and epilogues. The warps split K as in skinny_gemm_body and add their sums in the same
+// order, so every output has the bits of the 8-column kernels; the handed-over sums of squares
+// are added 16 columns at a time (fixed point: the order of the adds does not matter, but the
+// rounding of each part does, so the step never mixes plans within a shape). Needs N % 16 == 0
+// and blockDim 256.
+template <int WARPS, int UNROLL, bool NORM>
+__device__ __forceinline__ void skinny_gemm_wide_body(const bf16* __restrict__ X,
+                                                      const unsigned long long* __restrict__ ssq,
+                                                      const bf16* __restrict__ W,
+                                                      const bf16* __restrict__ bias, void* out,
+                                                      int M, int N, int K, int mode, float eps,
+                                                      bf16* __restrict__ xb_out,
+                                                      const bf16* __restrict__ nw_out,
+                                                      unsigned long long* __restrict__ ssq_out) {
+  __shared__ float red[WARPS][MAX_ROWS][16];
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int g = lane >> 2, t = lane & 3;
+  int n0 = blockIdx.x * 16;
+  const bf16* w0 = W + (size_t)(n0 + g) * K + t * 8;
+  const bf16* w1 = w0 + (size_t)8 * K;
+  const bf16* x0 = X + (size_t)g * K + t * 8;
+  const bf16* x1 = X + (size_t)(g + 8) * K + t * 8;
+  int chunks = K / 32;
+  bool r0 = g < M, r1 = g + 8 < M;
+  float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  uint4 wa[UNROLL], wb[UNROLL], av[UNROLL], bv[UNROLL];
+#pragma unroll
+  for (int u = 0; u < UNROLL; u++) {
+    int cc = warp + u * WARPS;
+    wa[u] = cc < chunks ? load_stream(w0 + cc * 32) : zero;
+    wb[u] = cc < chunks ? load_stream(w1 + cc * 32) : zero;
+  }
+  grid_wait();
+  grid_launch();
+  for (int c = warp; c < chunks; c += WARPS * UNROLL) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+      int cc = c + u * WARPS;
+      bool in = cc < chunks;
+      if (c != warp) {
+        wa[u] = in ? load_stream(w0 + cc * 32) : zero;
+        wb[u] = in ? load_stream(w1 + cc * 32) : zero;
+      }
+      av[u] = (in && r0) ? *reinterpret_cast<const uint4*>(x0 + cc * 32) : zero;
+      bv[u] = (in && r1) ? *reinterpret_cast<const uint4*>(x1 + cc * 32) : zero;
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+      mma_bf16(d0, av[u].x, bv[u].x, av[u].y, bv[u].y, wa[u].x, wa[u].y);
+      mma_bf16(d0, av[u].z, bv[u].z, av[u].w, bv[u].w, wa[u].z, wa[u].w);
+      mma_bf16(d1, av[u].x, bv[u].x, av[u].y, bv[u].y, wb[u].x, wb[u].y);
+      mma_bf16(d1, av[u].z, bv[u].z, av[u].w, bv[u].w, wb[u].z, wb[u].w);
+    }
+  }
+  red[warp][g][2 * t] = d0[0];
+  red[warp][g][2 * t + 1] = d0[1];
+  red[warp][g + 8][2 * t] = d0[2];
+  red[warp][g + 8][2 * t + 1] = d0[3];
+  red[warp][g][8 + 2 * t] = d1[0];
+  red[warp][g][8 + 2 * t + 1] = d1[1];
+  red[warp][g + 8][8 + 2 * t] = d1[2];
+  red[warp][g + 8][8 + 2 * t + 1] = d1[3];
+  __syncthreads();
+  int tid = threadIdx.x;
+  auto total = [&](int m, int col) {
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; w++) v += red[w][m][col];
+    return v;
+  };
+  auto row_scale = [&](int m) { return ssq_scale(ssq[m], K, eps); };
+  if (mode == 2) {
+    if (tid < MAX_ROWS * 8) {
+      int m = tid >> 3, j = tid & 7;
+      if (m < M) {
+        float gate = total(m, 2 * j), up = total(m, 2 * j + 1);
+        if constexpr (NORM) {
+          float rs = row_scale(m);
+          gate *= rs;
+          up *= rs;
+        }
+        float v = gate / (1.f + __expf(-gate)) * up;
+        reinterpret_cast<bf16*>(out)[(size_t)m * (N / 2) + n0 / 2 + j] = __float2bfloat16(v);
+      }
+    }
+  } else {  // 256 threads: 16 rows x 16 columns, every warp whole for the shuffles below
+    int m = tid >> 4, col = tid & 15;
+    float nv = 0.f;
+    if (m < M) {
+      float v = total(m, col);
+      if constexpr (NORM) v *= row_scale(m);
+      float* o = reinterpret_cast<float*>(out) + (size_t)m * N + n0 + col;
+      if (mode == 1) {
+        nv = *o + v;
+      } else {
+        nv = bias ? v + __bfloat162float(bias[n0 + col]) : v;
+      }
+      *o = nv;
+    }
+    if (mode == 1 && xb_out) {
+      float sq = nv * nv;
+      sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+      sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+      sq += __shfl_xor_sync(0xffffffffu, sq, 4);
+      sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+      if (m < M) {
+        xb_out[(size_t)m * N + n0 + col] = __float2bfloat16(nv * __bfloat162float(nw_out[n0 + col]));
+        if (col == 0) atomicAdd(ssq_out + m, ssq_fixed(sq));
+      }
+    }
+  }
+}
+
 extern "C" {
 
 // Deterministic pseudo-random weights, uniform in [-half_width, half_width] (splitmix64 of the
@@ -334,6 +451,14 @@ GEMM_KERNEL(skinny_gemm_norm_x2, C2 B1, 4, true, 2)
 GEMM_KERNEL(skinny_gemm_b4_norm_x2, C2 B4, 4, true, 2)
 GEMM_KERNEL(skinny_gemm_norm_x4, C4 B1, 4, true, 4)
 GEMM_KERNEL(skinny_gemm_b4_norm_x4, C4 B4, 4, true, 4)
+// 16 columns a block: `_w16` 2 chunks of each tile in flight a warp, capped at 64 registers
+// (four blocks an SM); `_w16d` 4 chunks (two blocks an SM).
+#define GEMM_WIDE_KERNEL(name, bounds, unroll, norm) \
+  __global__ void bounds name(GEMM_ARGS) { skinny_gemm_wide_body<8, unroll, norm>(GEMM_PASS); }
+GEMM_WIDE_KERNEL(skinny_gemm_w16, B4, 2, false)
+GEMM_WIDE_KERNEL(skinny_gemm_w16d, B1, 4, false)
+GEMM_WIDE_KERNEL(skinny_gemm_w16_norm, B4, 2, true)
+GEMM_WIDE_KERNEL(skinny_gemm_w16d_norm, B1, 4, true)
 
 // Per (row, head) of the fused q|k|v output: the optional per-head RMS norm (qwen3), rotary
 // embedding (rotate-half) at position state[0] + m, then q to `q` (f32 [M, heads, hd]) and k, v
@@ -462,13 +587,24 @@ __device__ __forceinline__ float merge_weights(const float* __restrict__ ml, int
   return warp_sum(l);
 }
 
-// One output value of the merge: the splits' unnormalised outputs `po` (stride hd) weighted.
+// One output value of the merge: the splits' unnormalised outputs `po` (stride hd) weighted,
+// added in split order; the loads of 16 splits at a time are issued together (one round trip
+// each 16 splits, not one a split).
 __device__ __forceinline__ float merge_value(const float* __restrict__ po, int used, int hd,
                                              const float* w) {
+  constexpr int BATCH = 16;
   float o = 0.f;
-  for (int p = 0; p < used; p++) {
-    float wp = w[p];
-    if (wp != 0.f) o += wp * __ldcg(po + (size_t)p * hd);
+  for (int p0 = 0; p0 < used; p0 += BATCH) {
+    float v[BATCH];
+#pragma unroll
+    for (int i = 0; i < BATCH; i++) v[i] = p0 + i < used ? __ldcg(po + (size_t)(p0 + i) * hd) : 0.f;
+#pragma unroll
+    for (int i = 0; i < BATCH; i++) {
+      if (p0 + i < used) {
+        float wp = w[p0 + i];
+        if (wp != 0.f) o += wp * v[i];
+      }
+    }
   }
   return o;
 }
@@ -498,29 +634,49 @@ __global__ void attn_merge(const float* __restrict__ part_o, const float* __rest
 
 // One head-row of q or k from the fused q|k|v output `src` (hd values), by one warp: the
 // optional per-head RMS norm (qwen3), rotary embedding (rotate-half) at `pos`, times `mul`,
-// into dst[0..hd) (rounded through bf16 when `round`, as the KV cache stores it).
+// into dst[0..hd) (rounded through bf16 when `round`, as the KV cache stores it). Every load
+// (the row, cos/sin, the norm's weights) is issued before the first use: one memory round trip.
 __device__ __forceinline__ void rope_row(const float* __restrict__ src, const bf16* __restrict__ nw,
                                          const float* __restrict__ cos_t,
                                          const float* __restrict__ sin_t, int pos, int hd,
                                          float eps, float mul, bool round, float* dst) {
+  constexpr int IT = HD_MAX / 64;  // values a lane holds of each half
   int lane = threadIdx.x & 31, half = hd / 2;
+  float a[IT], b[IT], c[IT], s[IT], wa[IT], wb[IT];
+#pragma unroll
+  for (int it = 0; it < IT; it++) {
+    int i = lane + 32 * it;
+    a[it] = b[it] = c[it] = s[it] = 0.f;
+    wa[it] = wb[it] = 1.f;
+    if (i < half) {
+      a[it] = src[i];
+      b[it] = src[i + half];
+      c[it] = cos_t[(size_t)pos * half + i];
+      s[it] = sin_t[(size_t)pos * half + i];
+      if (nw) {
+        wa[it] = __bfloat162float(nw[i]);
+        wb[it] = __bfloat162float(nw[i + half]);
+      }
+    }
+  }
   float r = 1.f;
   if (nw) {
     float ss = 0.f;
-    for (int i = lane; i < half; i += 32) {
-      float a = src[i], b = src[i + half];
-      ss += a * a + b * b;
-    }
+#pragma unroll
+    for (int it = 0; it < IT; it++)
+      if (lane + 32 * it < half) ss += a[it] * a[it] + b[it] * b[it];
     r = rsqrtf(warp_sum(ss) / hd + eps);
   }
-  for (int i = lane; i < half; i += 32) {
-    float a = src[i], b = src[i + half];
+#pragma unroll
+  for (int it = 0; it < IT; it++) {
+    int i = lane + 32 * it;
+    if (i >= half) continue;
+    float x = a[it], y = b[it];
     if (nw) {
-      a = a * r * __bfloat162float(nw[i]);
-      b = b * r * __bfloat162float(nw[i + half]);
+      x = x * r * wa[it];
+      y = y * r * wb[it];
     }
-    float c = cos_t[(size_t)pos * half + i], s = sin_t[(size_t)pos * half + i];
-    float ra = (a * c - b * s) * mul, rb = (b * c + a * s) * mul;
+    float ra = (x * c[it] - y * s[it]) * mul, rb = (y * c[it] + x * s[it]) * mul;
     if (round) {
       ra = __bfloat162float(__float2bfloat16(ra));
       rb = __bfloat162float(__float2bfloat16(rb));
@@ -539,9 +695,54 @@ __device__ __forceinline__ void rope_row(const float* __restrict__ src, const bf
 // in use the block writes the output; with `merge` and more, each writes its unnormalised
 // output and (max, sum) and the last of the head's blocks to arrive (a counter per head, reset
 // by it) merges them in split order; without `merge` every block writes its partial and
-// attn_merge merges (one block per row and head: the faster for windows of many rows). Splits past the current length exit at once, so a graph sized for max_ctx
-// replays at any length. Grid: (heads, ceil(max_ctx / 32)); block: 128.
+// attn_merge merges (one block per row and head: the faster for windows of many rows). Splits
+// past the current length exit at once, so a graph sized for max_ctx replays at any length.
+// The cached keys and values arrive in 16-byte loads all issued before the queries' rope (one
+// memory round trip, not one per 4 keys), and the scores and weighted values run over the
+// window's rows only (attn_scores, attn_values: a one-row step does one row's work).
+// Grid: (heads, ceil(max_ctx / 32)); block: 128 or 256.
 }  // extern "C"
+
+// The scores of R query rows (q0, q0 + stride, ...; scaled, in shared memory) against one
+// key (`krow`, this lane's): four partial sums over d mod 4, added in one order, so a score
+// has the same bits whatever R, the block's size or the window's rows.
+template <int R>
+__device__ __forceinline__ void attn_scores(const float* krow, const float* q0, int stride,
+                                            int hd, float* sc) {
+  float a[R][4];
+#pragma unroll
+  for (int i = 0; i < R; i++) a[i][0] = a[i][1] = a[i][2] = a[i][3] = 0.f;
+  for (int dd = 0; dd < hd; dd += 4) {
+    float k0 = krow[dd], k1 = krow[dd + 1], k2 = krow[dd + 2], k3 = krow[dd + 3];
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+      float4 qv = *reinterpret_cast<const float4*>(q0 + i * stride + dd);
+      a[i][0] += qv.x * k0;
+      a[i][1] += qv.y * k1;
+      a[i][2] += qv.z * k2;
+      a[i][3] += qv.w * k3;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < R; i++) sc[i] = (a[i][0] + a[i][1]) + (a[i][2] + a[i][3]);
+}
+
+// Value column `v` (stride HD_MAX + 0: v_s rows) weighted by R rows of probabilities (p0,
+// p0 + stride, ...), the nk keys in order: the same bits whatever R.
+template <int R>
+__device__ __forceinline__ void attn_values(const float* v, const float* p0, int stride, int nk,
+                                            float* o) {
+  float a[R];
+#pragma unroll
+  for (int i = 0; i < R; i++) a[i] = 0.f;
+  for (int j = 0; j < nk; j++) {
+    float x = v[j * HD_MAX];
+#pragma unroll
+    for (int i = 0; i < R; i++) a[i] += p0[i * stride + j] * x;
+  }
+#pragma unroll
+  for (int i = 0; i < R; i++) o[i] = a[i];
+}
 
 template <int ATTN_THREADS>
 __device__ __forceinline__ void attn_fused_body(
@@ -551,7 +752,7 @@ __device__ __forceinline__ void attn_fused_body(
     float* __restrict__ part_o, float* __restrict__ part_ml, unsigned* __restrict__ counters,
     bf16* __restrict__ out, int M, int heads, int kv_heads, int hd, int max_ctx, float scale,
     float eps, int merge) {
-  __shared__ float q_s[MAX_ROWS][HD_MAX];
+  __shared__ __align__(16) float q_s[MAX_ROWS][HD_MAX];
   __shared__ float k_s[ATTN_CHUNK][HD_MAX + 1];
   __shared__ float v_s[ATTN_CHUNK][HD_MAX];
   __shared__ float p_s[MAX_ROWS][ATTN_CHUNK];
@@ -569,18 +770,26 @@ __device__ __forceinline__ void attn_fused_body(
   int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int WARPS = ATTN_THREADS / 32;
   int width = (heads + 2 * kv_heads) * hd;
+  // Cached keys and values of this split: every 16-byte load issued at once (one memory
+  // round trip), kept in registers while the queries' rope runs, then into shared memory.
+  constexpr int PER = ATTN_CHUNK * HD_MAX / 8 / ATTN_THREADS;
+  int cached = max(0, min(nk, pos0 - kbeg));
+  int vrow = hd / 8, nvec = cached * vrow;
+  const uint4* kc = reinterpret_cast<const uint4*>(k_cache + ((size_t)kvh * max_ctx + kbeg) * hd);
+  const uint4* vc = reinterpret_cast<const uint4*>(v_cache + ((size_t)kvh * max_ctx + kbeg) * hd);
+  uint4 kr[PER], vr[PER];
+#pragma unroll
+  for (int u = 0; u < PER; u++) {
+    int e = tid + u * ATTN_THREADS;
+    if (e < nvec) {
+      kr[u] = kc[e];
+      vr[u] = vc[e];
+    }
+  }
   for (int m = warp; m < M; m += WARPS)
     rope_row(qkv + (size_t)m * width + (size_t)h * hd, q_norm, cos_t, sin_t, pos0 + m, hd, eps,
              scale, false, q_s[m]);
-  // Cached keys of this split, then the window's (one warp a key).
-  int cached = max(0, min(nk, pos0 - kbeg));
-  const bf16* kc = k_cache + ((size_t)kvh * max_ctx + kbeg) * hd;
-  const bf16* vc = v_cache + ((size_t)kvh * max_ctx + kbeg) * hd;
-  for (int e = tid; e < cached * hd; e += ATTN_THREADS) {
-    int j = e / hd, dd = e % hd;
-    k_s[j][dd] = __bfloat162float(kc[e]);
-    v_s[j][dd] = __bfloat162float(vc[e]);
-  }
+  // The window's keys (one warp a key).
   bool writer = h % group == 0;
   for (int j = cached + warp; j < nk; j += WARPS) {
     int p = kbeg + j, m = p - pos0;
@@ -599,19 +808,41 @@ __device__ __forceinline__ void attn_fused_body(
       }
     }
   }
-  __syncthreads();
-  for (int e = tid; e < M * ATTN_CHUNK; e += ATTN_THREADS) {
-    int m = e / ATTN_CHUNK, j = e % ATTN_CHUNK;
-    float sc = -INFINITY;
-    if (j < nk && kbeg + j <= pos0 + m) {
-      sc = 0.f;
-      for (int dd = 0; dd < hd; dd++) sc += q_s[m][dd] * k_s[j][dd];
+#pragma unroll
+  for (int u = 0; u < PER; u++) {
+    int e = tid + u * ATTN_THREADS;
+    if (e < nvec) {
+      int j = e / vrow, d0 = (e - j * vrow) * 8;
+      const __nv_bfloat162* kp = reinterpret_cast<const __nv_bfloat162*>(&kr[u]);
+      const __nv_bfloat162* vp = reinterpret_cast<const __nv_bfloat162*>(&vr[u]);
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        float2 kf = __bfloat1622float2(kp[i]), vf = __bfloat1622float2(vp[i]);
+        k_s[j][d0 + 2 * i] = kf.x;
+        k_s[j][d0 + 2 * i + 1] = kf.y;
+        v_s[j][d0 + 2 * i] = vf.x;
+        v_s[j][d0 + 2 * i + 1] = vf.y;
+      }
     }
-    p_s[m][j] = sc;
   }
   __syncthreads();
-  for (int m = warp; m < M; m += WARPS) {
-    float v = p_s[m][lane];
+  // Scores: warp w takes rows w, w + WARPS, ..., lane j key j (attn_scores; only the rows the
+  // window has, so a one-row step does one row's work). The softmax of each row stays in its
+  // warp's registers.
+  constexpr int RPW = MAX_ROWS / WARPS;
+  int nr = M > warp ? (M - warp + WARPS - 1) / WARPS : 0;
+  float sc[4];
+  const float* krow = k_s[lane];
+  const float* q0 = q_s[warp];
+  if (nr >= 4) attn_scores<4>(krow, q0, WARPS * HD_MAX, hd, sc);
+  else if (nr == 3) attn_scores<3>(krow, q0, WARPS * HD_MAX, hd, sc);
+  else if (nr == 2) attn_scores<2>(krow, q0, WARPS * HD_MAX, hd, sc);
+  else if (nr == 1) attn_scores<1>(krow, q0, WARPS * HD_MAX, hd, sc);
+#pragma unroll
+  for (int r = 0; r < RPW; r++) {
+    if (r >= nr) break;
+    int m = warp + r * WARPS;
+    float v = (lane < nk && kbeg + lane <= pos0 + m) ? sc[r] : -INFINITY;
     float mx = warp_max(v);
     float e = mx == -INFINITY ? 0.f : __expf(v - mx);
     p_s[m][lane] = e;
@@ -626,14 +857,25 @@ __device__ __forceinline__ void attn_fused_body(
     }
   }
   __syncthreads();
-  for (int e = tid; e < M * hd; e += ATTN_THREADS) {
-    int m = e / hd, dd = e % hd;
-    float o = 0.f;
-    for (int j = 0; j < nk; j++) o += p_s[m][j] * v_s[j][dd];
-    if (used == 1 && merge)
-      out[((size_t)m * heads + h) * hd + dd] = __float2bfloat16(o / l_s[m]);
-    else
-      part_o[(((size_t)m * heads + h) * splits + s) * hd + dd] = o;
+  // Weighted values: thread (d, g) takes rows g, g + G, ... (G = threads / hd) of value column
+  // d, up to 4 at a time (attn_values), the keys in order.
+  int G = ATTN_THREADS / hd, dd = tid % hd;
+  for (int m0 = tid / hd; m0 < M; m0 += 4 * G) {
+    int left = (M - m0 + G - 1) / G;
+    float o[4];
+    if (left >= 4) attn_values<4>(&v_s[0][dd], &p_s[m0][0], G * ATTN_CHUNK, nk, o);
+    else if (left == 3) attn_values<3>(&v_s[0][dd], &p_s[m0][0], G * ATTN_CHUNK, nk, o);
+    else if (left == 2) attn_values<2>(&v_s[0][dd], &p_s[m0][0], G * ATTN_CHUNK, nk, o);
+    else attn_values<1>(&v_s[0][dd], &p_s[m0][0], G * ATTN_CHUNK, nk, o);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      if (i >= left) break;
+      int m = m0 + i * G;
+      if (used == 1 && merge)
+        out[((size_t)m * heads + h) * hd + dd] = __float2bfloat16(o[i] / l_s[m]);
+      else
+        part_o[(((size_t)m * heads + h) * splits + s) * hd + dd] = o[i];
+    }
   }
   if (used == 1 || !merge) return;
   __threadfence();
@@ -650,10 +892,10 @@ __device__ __forceinline__ void attn_fused_body(
   }
   __syncthreads();
   for (int e = tid; e < M * hd; e += ATTN_THREADS) {
-    int m = e / hd, dd = e % hd;
-    float o = merge_value(part_o + ((size_t)m * heads + h) * splits * hd + dd, used, hd,
-                          w_s + m * used);
-    out[((size_t)m * heads + h) * hd + dd] = __float2bfloat16(o / l_s[m]);
+    int m = e / hd, d2 = e % hd;
+    float ov = merge_value(part_o + ((size_t)m * heads + h) * splits * hd + d2, used, hd,
+                           w_s + m * used);
+    out[((size_t)m * heads + h) * hd + d2] = __float2bfloat16(ov / l_s[m]);
   }
   if (tid == 0) counters[h] = 0;
 }
@@ -672,55 +914,87 @@ extern "C" {
       heads, kv_heads, hd, max_ctx, scale, eps, merge
 // The same with 128 and 256 threads (every value is computed by one thread or one warp in one
 // order whatever the block's size, so both give the same bits): the wider for windows of many
-// rows, whose scores and weighted sums are most of the work.
-__global__ void __launch_bounds__(128) attn_fused(ATTN_ARGS) { attn_fused_body<128>(ATTN_PASS); }
-__global__ void __launch_bounds__(256) attn_fused_wide(ATTN_ARGS) { attn_fused_body<256>(ATTN_PASS); }
+// rows, whose scores and weighted sums are most of the work. Register caps keep five blocks
+// an SM (the shared-memory limit) at 128 threads and three at 256.
+__global__ void __launch_bounds__(128, 5) attn_fused(ATTN_ARGS) { attn_fused_body<128>(ATTN_PASS); }
+__global__ void __launch_bounds__(256, 3) attn_fused_wide(ATTN_ARGS) { attn_fused_body<256>(ATTN_PASS); }
 
-// ids[m] = argmax of logits[m, :] (the lowest index among equal maxima). Grid: M; block: 1024.
-__global__ void argmax_rows(const float* __restrict__ logits, int* __restrict__ ids, int vocab) {
+// The better of two (value, index) candidates: the larger value, the lower index among equal
+// values (so the result is the lowest index of the maximum whatever the order of comparison).
+__device__ __forceinline__ void argmax_pick(float& bv, int& bi, float ov, int oi) {
+  if (ov > bv || (ov == bv && oi < bi)) {
+    bv = ov;
+    bi = oi;
+  }
+}
+
+// The block's best (value, index), to every thread (blockDim.x a multiple of 32, <= 1024).
+__device__ __forceinline__ void argmax_block(float& bv, int& bi) {
   __shared__ float best_v[32];
   __shared__ int best_i[32];
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    argmax_pick(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+  if (lane == 0) {
+    best_v[warp] = bv;
+    best_i[warp] = bi;
+  }
+  __syncthreads();
+  int nw = blockDim.x >> 5;
+  bv = lane < nw ? best_v[lane] : -INFINITY;
+  bi = lane < nw ? best_i[lane] : 0x7fffffff;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    argmax_pick(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+}
+
+// ids[m] = argmax of logits[m, :] (the lowest index among equal maxima). Grid: (M, splits of
+// the row, at most 32); each block takes a slice and writes its best to `part` ((value,
+// index) pairs, [MAX_ROWS][32]); the last of the row's blocks to arrive (a counter per row in
+// `count`, reset by it) picks the best of the slices. The maximum and the lowest index among
+// equal values do not depend on the order of comparison: the same ids as one block a row.
+__global__ void argmax_rows(const float* __restrict__ logits, int* __restrict__ ids, int vocab,
+                            float2* __restrict__ part, unsigned* __restrict__ count) {
+  __shared__ int is_last;
   grid_wait();
   grid_launch();
-  int m = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int m = blockIdx.x, b = blockIdx.y, nb = gridDim.y;
+  int per = (vocab + nb - 1) / nb;
+  int lo = b * per, hi = min(vocab, lo + per);
   const float* row = logits + (size_t)m * vocab;
   float bv = -INFINITY;
   int bi = 0x7fffffff;
-  for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
     float v = row[i];
     if (v > bv) {
       bv = v;
       bi = i;
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-    int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    if (ov > bv || (ov == bv && oi < bi)) {
-      bv = ov;
-      bi = oi;
-    }
+  argmax_block(bv, bi);
+  if (nb == 1) {
+    if (threadIdx.x == 0) ids[m] = bi;
+    return;
   }
-  if (lane == 0) {
-    best_v[warp] = bv;
-    best_i[warp] = bi;
+  if (threadIdx.x == 0) {
+    part[m * 32 + b] = make_float2(bv, __int_as_float(bi));
+    __threadfence();
+    is_last = atomicAdd(&count[m], 1u) == (unsigned)(nb - 1);
   }
   __syncthreads();
-  if (warp == 0) {
-    int nw = blockDim.x >> 5;
-    bv = lane < nw ? best_v[lane] : -INFINITY;
-    bi = lane < nw ? best_i[lane] : 0x7fffffff;
+  if (!is_last || threadIdx.x >= 32) return;
+  __threadfence();
+  int lane = threadIdx.x;
+  float2 pv = lane < nb ? __ldcg(&part[m * 32 + lane]) : make_float2(-INFINITY, __int_as_float(0x7fffffff));
+  bv = pv.x;
+  bi = __float_as_int(pv.y);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (ov > bv || (ov == bv && oi < bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
-    if (lane == 0) ids[m] = bi;
+  for (int o = 16; o > 0; o >>= 1)
+    argmax_pick(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+  if (lane == 0) {
+    ids[m] = bi;
+    count[m] = 0;
   }
 }
 

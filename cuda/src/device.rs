@@ -93,6 +93,8 @@ pub struct Kernels {
     pub skinny_gemm_deep_norm: CudaFunction,
     /// `[plain x2, b4 x2, plain x4, b4 x4]`, then the same with the norm folded in.
     pub skinny_gemm_split: [CudaFunction; 8],
+    /// 16 columns a block: `[w16, w16d]`, then the same with the norm folded in.
+    pub skinny_gemm_wide: [CudaFunction; 4],
     pub rope_kv: CudaFunction,
     pub attn_partial: CudaFunction,
     pub attn_merge: CudaFunction,
@@ -154,6 +156,12 @@ impl Gpu {
                 f("skinny_gemm_norm_x4")?,
                 f("skinny_gemm_b4_norm_x4")?,
             ],
+            skinny_gemm_wide: [
+                f("skinny_gemm_w16")?,
+                f("skinny_gemm_w16d")?,
+                f("skinny_gemm_w16_norm")?,
+                f("skinny_gemm_w16d_norm")?,
+            ],
             rope_kv: f("rope_kv")?,
             attn_partial: f("attn_partial")?,
             attn_merge: f("attn_merge")?,
@@ -174,10 +182,18 @@ impl Gpu {
             .ctx(|| "reading kernel occupancy".into())?;
             Ok(n.max(1) as usize)
         };
+        // Peak bandwidth: the memory clock (kHz; two transfers a clock) times the bus width.
+        let attr = |a| {
+            ctx.attribute(a)
+                .ctx(|| "reading the memory clock and bus width".into())
+        };
+        let clock_khz = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)?;
+        let bus_bits = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)?;
         let occupancy = Occupancy {
             sms,
             fit: fit(&kernels.skinny_gemm)?,
             fit_b4: fit(&kernels.skinny_gemm_b4)?,
+            mem_gbps: 2.0 * clock_khz as f64 * 1e3 * (bus_bits as f64 / 8.0) / 1e9,
         };
         Ok(Self {
             ctx,
@@ -201,6 +217,8 @@ impl Gpu {
             (GemmPlan::B4X2, n) => &k.skinny_gemm_split[1 + 4 * usize::from(n)],
             (GemmPlan::PlainX4, n) => &k.skinny_gemm_split[2 + 4 * usize::from(n)],
             (GemmPlan::B4X4, n) => &k.skinny_gemm_split[3 + 4 * usize::from(n)],
+            (GemmPlan::W16, n) => &k.skinny_gemm_wide[2 * usize::from(n)],
+            (GemmPlan::W16D, n) => &k.skinny_gemm_wide[1 + 2 * usize::from(n)],
         }
     }
 

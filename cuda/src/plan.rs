@@ -54,8 +54,11 @@ impl Proj {
 /// the plain kernel needs two; more resident blocks to hide the epilogues of short blocks);
 /// `Deep` keeps 8 chunks in flight (two blocks a multiprocessor); `X2`/`X4` split K over a
 /// cluster of 2 or 4 blocks merged in distributed shared memory (more, evenly spread blocks
-/// for grids that leave multiprocessors idle). The split changes the order of the sums (so it
-/// is chosen from the shape alone); the others give the same bits.
+/// for grids that leave multiprocessors idle); `W16`/`W16D` take 16 output columns a block
+/// (two mma tiles a warp sharing each activation load; 2 or 4 chunks of each in flight). The
+/// split changes the order of the sums, and the 16-column kernels the rounding of the sums of
+/// squares they hand over (so each is chosen from the shape and the GPU alone); the others give
+/// the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmPlan {
     Plain,
@@ -65,10 +68,12 @@ pub enum GemmPlan {
     B4X2,
     PlainX4,
     B4X4,
+    W16,
+    W16D,
 }
 
 impl GemmPlan {
-    pub const ALL: [GemmPlan; 7] = [
+    pub const ALL: [GemmPlan; 9] = [
         GemmPlan::Plain,
         GemmPlan::B4,
         GemmPlan::Deep,
@@ -76,28 +81,39 @@ impl GemmPlan {
         GemmPlan::B4X2,
         GemmPlan::PlainX4,
         GemmPlan::B4X4,
+        GemmPlan::W16,
+        GemmPlan::W16D,
     ];
 
     /// Blocks of a cluster that split K.
     pub fn split(self) -> usize {
         match self {
-            GemmPlan::Plain | GemmPlan::B4 | GemmPlan::Deep => 1,
+            GemmPlan::Plain | GemmPlan::B4 | GemmPlan::Deep | GemmPlan::W16 | GemmPlan::W16D => 1,
             GemmPlan::PlainX2 | GemmPlan::B4X2 => 2,
             GemmPlan::PlainX4 | GemmPlan::B4X4 => 4,
         }
     }
 
-    /// The grid over `n` outputs: `(n / 8, split)`.
+    /// Output columns a block.
+    pub fn columns(self) -> usize {
+        match self {
+            GemmPlan::W16 | GemmPlan::W16D => 16,
+            _ => 8,
+        }
+    }
+
+    /// The grid over `n` outputs: `(n / columns, split)`.
     pub fn grid(self, n: usize) -> (u32, u32) {
-        ((n / 8) as u32, self.split() as u32)
+        ((n / self.columns()) as u32, self.split() as u32)
     }
 
-    /// Whether this plan splits a K of `k` (32-wide chunks, evenly).
-    pub fn fits(self, k: usize) -> bool {
-        (k / 32).is_multiple_of(self.split())
+    /// Whether this plan covers `n` outputs in whole blocks and splits a K of `k` (32-wide
+    /// chunks) evenly.
+    pub fn fits(self, n: usize, k: usize) -> bool {
+        n.is_multiple_of(self.columns()) && (k / 32).is_multiple_of(self.split())
     }
 
-    /// `plain`, `b4`, `deep`, `plainx2`, `b4x2`, `plainx4` or `b4x4`.
+    /// `plain`, `b4`, `deep`, `plainx2`, `b4x2`, `plainx4`, `b4x4`, `w16` or `w16d`.
     ///
     /// # Errors
     /// [`Error::Invalid`] for another word.
@@ -107,7 +123,7 @@ impl GemmPlan {
             .find(|p| p.to_string() == text)
             .ok_or_else(|| {
                 Error::Invalid(format!(
-                    "plan '{text}' (plain, b4, deep, plainx2, b4x2, plainx4, b4x4)"
+                    "plan '{text}' (plain, b4, deep, plainx2, b4x2, plainx4, b4x4, w16, w16d)"
                 ))
             })
     }
@@ -123,37 +139,51 @@ impl std::fmt::Display for GemmPlan {
             GemmPlan::B4X2 => "b4x2",
             GemmPlan::PlainX4 => "plainx4",
             GemmPlan::B4X4 => "b4x4",
+            GemmPlan::W16 => "w16",
+            GemmPlan::W16D => "w16d",
         })
     }
 }
 
-/// What the GPU offers the plan: multiprocessors and how many blocks of the plain and the
-/// 64-register projection kernels fit one.
+/// What the GPU offers the plan: multiprocessors, how many blocks of the plain and the
+/// 64-register projection kernels fit one, and the memory's peak bandwidth (GB/s, from the
+/// driver's memory clock and bus width).
 #[derive(Debug, Clone, Copy)]
 pub struct Occupancy {
     pub sms: usize,
     pub fit: usize,
     pub fit_b4: usize,
+    pub mem_gbps: f64,
 }
+
+/// Peak memory bandwidth (GB/s) from which the 16-column kernels pay: on the H200 (4.8 TB/s)
+/// the 8-column kernels keep too few bytes in flight a warp for wide grids, on the H100
+/// (3.35 TB/s) they already stream at the copy rate and the 16-column ones lose 1-2%.
+pub const W16_MIN_GBPS: f64 = 4000.0;
 
 /// Blocks of the deep kernel that fit a multiprocessor (126 registers × 256 threads).
 const DEEP_FIT: usize = 2;
 /// Inputs up to which a projection's blocks are short (6 chunks a warp at 1536).
 const SHORT_K: usize = 2048;
 
-/// The kernel for an `n × k` projection (`cuda-bench`'s table on the H200): the 64-register one
-/// where its fourth block an SM fits every output tile into one wave that would otherwise take
-/// two or more, and for short blocks over many waves; for grids of at most two blocks a
-/// multiprocessor, K split over clusters of 2 where K is long and the doubled grid still fits
-/// one wave (1.5B's down: 12.2 -> 10.4 µs), else the deep one (more loads in flight); the plain
-/// one otherwise.
+/// The kernel for an `n × k` projection (`cuda-bench`'s table on the H200): on memory of at
+/// least [`W16_MIN_GBPS`], 16 columns a block (`W16`, four blocks an SM) where even that grid
+/// takes more than one wave (gate|up and the lm_head of both presets: 1.5B gate|up 22.2 ->
+/// 19.5 µs and lm_head 147 -> 123 µs at 16 rows, the same or a little less at one); else the
+/// 64-register one where its fourth block an SM fits every output tile into one wave that would
+/// otherwise take two or more, and for short blocks over many waves; for grids of at most two
+/// blocks a multiprocessor, K split over clusters of 2 where K is long and the doubled grid
+/// still fits one wave (1.5B's down: 12.2 -> 10.4 µs), else the deep one (more loads in
+/// flight); the plain one otherwise.
 pub fn auto_plan(n: usize, k: usize, occ: Occupancy) -> GemmPlan {
     let tiles = n / 8;
     let waves = |fit: usize| tiles.div_ceil(fit * occ.sms);
-    if waves(occ.fit_b4) == 1 && waves(occ.fit) > 1 {
+    if occ.mem_gbps >= W16_MIN_GBPS && GemmPlan::W16.fits(n, k) && n / 16 > occ.fit_b4 * occ.sms {
+        GemmPlan::W16
+    } else if waves(occ.fit_b4) == 1 && waves(occ.fit) > 1 {
         GemmPlan::B4
     } else if waves(DEEP_FIT) == 1 {
-        match k > SHORT_K && 2 * tiles <= occ.fit * occ.sms && GemmPlan::PlainX2.fits(k) {
+        match k > SHORT_K && 2 * tiles <= occ.fit * occ.sms && GemmPlan::PlainX2.fits(n, k) {
             true => GemmPlan::PlainX2,
             false => GemmPlan::Deep,
         }
@@ -265,16 +295,17 @@ impl StepOptions {
         Ok(o)
     }
 
-    /// Whether every plan splits its projection's inputs evenly in `shape`.
+    /// Whether every plan covers its projection's outputs and splits its inputs evenly in
+    /// `shape`.
     ///
     /// # Errors
     /// [`Error::Invalid`] naming the first that does not.
     pub fn check(&self, shape: &Shape) -> Result<()> {
         for (p, plan) in Proj::ALL.iter().zip(&self.plans) {
-            let k = p.dims(shape).1;
-            if !plan.fits(k) {
+            let (n, k) = p.dims(shape);
+            if !plan.fits(n, k) {
                 return Err(Error::Invalid(format!(
-                    "plan {plan} cannot split {}'s {k} inputs evenly",
+                    "plan {plan} cannot cover {}'s {n} x {k} evenly",
                     p.name()
                 )));
             }
@@ -307,6 +338,11 @@ mod tests {
         sms: 132,
         fit: 3,
         fit_b4: 4,
+        mem_gbps: 4800.0,
+    };
+    const H100: Occupancy = Occupancy {
+        mem_gbps: 3350.0,
+        ..H200
     };
 
     #[test]
@@ -316,19 +352,26 @@ mod tests {
         // 4096 outputs: 512 tiles, one wave at 4 blocks an SM, two at 3.
         assert_eq!(o.plan(Proj::O), GemmPlan::B4);
         assert_eq!(o.plan(Proj::Down), GemmPlan::B4);
+        // gate|up's 1536 and the lm_head's 9496 16-column tiles: more than one wave of W16.
+        for p in [Proj::GateUp, Proj::LmHead] {
+            assert_eq!(o.plan(p), GemmPlan::W16, "{p:?}");
+        }
+        assert_eq!(o.plan(Proj::Qkv), GemmPlan::Plain);
+        // Not on the H100's slower memory.
+        let o100 = StepOptions::auto(&s8, H100);
         for p in [Proj::GateUp, Proj::LmHead, Proj::Qkv] {
-            assert_eq!(o.plan(p), GemmPlan::Plain, "{p:?}");
+            assert_eq!(o100.plan(p), GemmPlan::Plain, "{p:?}");
         }
         let s15 = Shape::preset("qwen2.5-1.5b").unwrap();
         let o15 = StepOptions::auto(&s15, H200);
         // 192-256 tiles: one wave of the deep kernel, the long down split in 2 (384 blocks);
-        // K = 1536 over many waves: b4.
+        // gate|up (1120 16-column tiles) and the lm_head: more than one wave of W16.
         for p in [Proj::Qkv, Proj::O] {
             assert_eq!(o15.plan(p), GemmPlan::Deep, "{p:?}");
         }
         assert_eq!(o15.plan(Proj::Down), GemmPlan::PlainX2);
-        assert_eq!(o15.plan(Proj::GateUp), GemmPlan::B4);
-        assert_eq!(o15.plan(Proj::LmHead), GemmPlan::B4);
+        assert_eq!(o15.plan(Proj::GateUp), GemmPlan::W16);
+        assert_eq!(o15.plan(Proj::LmHead), GemmPlan::W16);
         assert!(o15.fold_norm && o15.fused_attn && !o15.merges_in_kernel(1));
         let m2 = StepOptions::parse("auto+merge=2", &s15, H200).unwrap();
         assert!(m2.merges_in_kernel(1) && m2.merges_in_kernel(2) && !m2.merges_in_kernel(4));
@@ -359,7 +402,12 @@ mod tests {
         let e = StepOptions::parse("auto+qkv=b4x2", &tiny, H200)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("cannot split"), "{e}");
+        assert!(e.contains("cannot cover"), "{e}");
+        // 16-column blocks need outputs in multiples of 16.
+        assert!(GemmPlan::W16.fits(2048, 1536) && !GemmPlan::W16D.fits(136, 96));
+        assert_eq!(GemmPlan::W16.grid(17920), (1120, 1));
+        let w = StepOptions::parse("auto+gate_up=w16+lm_head=w16d", &s, H200).unwrap();
+        assert_eq!(w.plan(Proj::LmHead), GemmPlan::W16D);
         // Options built by hand are checked as well (Step::set_options calls this).
         let mut hand = StepOptions::auto(&tiny, H200);
         hand.check(&tiny).unwrap();

@@ -6,8 +6,10 @@
 //! kernel), the split merge, o_proj (residual add in its epilogue, which also hands gate|up its
 //! norm: bf16(x * w) and the rows' sums of squares), gate|up (SiLU·mul in its epilogue), down
 //! (residual add, handing the next layer's qkv its norm). [`StepOptions`] says which kernel each
-//! projection takes (split-K over thread-block clusters for small grids) and can merge
-//! attention inside its kernel, or bring back last session's 9 kernels a layer, for A/B runs.
+//! projection takes (split-K over thread-block clusters for small grids, 16 columns a block
+//! for grids of more than a wave) and can merge attention inside its kernel, or bring back an
+//! earlier session's 9 kernels a layer, for A/B runs. The argmax splits each row over 32
+//! blocks (the last to finish picks the best of their results).
 //! Positions and tokens live in device memory (`state`), copied from pinned host memory
 //! by the graph's first node, so a graph captured once replays at every position; the argmax
 //! ids come back by its last node. Nothing inside a step allocates, syncs or uploads parameters.
@@ -20,6 +22,9 @@ use crate::device::{DeviceBuffer, Gpu, Pinned};
 use crate::error::{Context, Error, Result};
 use crate::plan::{Proj, StepOptions};
 use crate::shape::{Shape, ATTN_CHUNK, MAX_CTX, MAX_ROWS};
+
+/// Blocks of the argmax over one row's logits (at most 32: `argmax_rows` in step.cu).
+const ARGMAX_SPLITS: u32 = 32;
 
 /// One transformer block's weights (bf16, `[out, in]`). `gate_up` interleaves its rows:
 /// row `2j` is gate row `j`, row `2j + 1` is up row `j`.
@@ -56,8 +61,11 @@ struct Scratch {
     part_ml: DeviceBuffer,
     logits: DeviceBuffer,
     ids: DeviceBuffer,
-    /// Arrival counters of attention's in-kernel merge, one a head, from 0.
+    /// Arrival counters of attention's in-kernel merge, one a head, then the argmax's, one a
+    /// row, from 0.
     counters: DeviceBuffer,
+    /// The argmax's best of each slice of a row: (value, index) pairs, `[MAX_ROWS][32]`.
+    argmax_part: DeviceBuffer,
     /// The folded norms' sums of squares (fixed point), `[2 layers][MAX_ROWS]`.
     ssq: DeviceBuffer,
 }
@@ -170,7 +178,7 @@ impl Step {
         let attn_w = shape.heads * hd;
         let splits = max_ctx.div_ceil(ATTN_CHUNK);
         let cache = 2 * shape.layers * shape.kv_heads * max_ctx * hd;
-        let counters = gpu.alloc(4 * shape.heads)?;
+        let counters = gpu.alloc(4 * (shape.heads + MAX_ROWS))?;
         // SAFETY: the buffer holds that many bytes; the counters start at 0.
         unsafe { cudarc::driver::result::memset_d8_sync(counters.ptr(), 0, counters.bytes()) }
             .ctx(|| "zeroing the counters".into())?;
@@ -187,6 +195,7 @@ impl Step {
             logits: gpu.alloc(4 * r * shape.vocab)?,
             ids: gpu.alloc(4 * r)?,
             counters,
+            argmax_part: gpu.alloc(8 * MAX_ROWS * ARGMAX_SPLITS as usize)?,
             ssq: gpu.alloc(8 * MAX_ROWS * 2 * shape.layers)?,
         };
         let (cos, sin) = rope_tables(&shape, max_ctx);
@@ -546,7 +555,8 @@ impl Step {
         let logits = s.logits.ptr();
         gemm(Proj::LmHead, xn, 0, lm, 0, logits, 0, None)?;
         let (ids, vocab) = (s.ids.ptr(), sh.vocab as i32);
-        launch!(&k.argmax_rows, (rows, 1), 1024, "argmax_rows"; &logits, &ids, &vocab)?;
+        let (part, count) = (s.argmax_part.ptr(), counters + 4 * sh.heads as u64);
+        launch!(&k.argmax_rows, (rows, ARGMAX_SPLITS), 512, "argmax_rows"; &logits, &ids, &vocab, &part, &count)?;
         // SAFETY: host_ids is pinned, holds MAX_ROWS ids and outlives the graph.
         unsafe {
             sys::cuMemcpyDtoHAsync_v2(self.host_ids.raw().cast(), ids, 4 * m, stream).result()

@@ -44,6 +44,9 @@ struct Args {
     /// Kernel-sequence variants to run the step with, first the one measured in full.
     #[arg(long, default_value = "auto,unfused", value_delimiter = ',')]
     variants: Vec<String>,
+    /// Skips the table of each projection alone (for profiler runs of the step).
+    #[arg(long)]
+    skip_gemm: bool,
     #[arg(long)]
     out: Option<std::path::PathBuf>,
 }
@@ -173,18 +176,18 @@ fn main() -> Result<()> {
     };
     let occ = gpu.occupancy();
     println!(
-        "{} SMs; projection blocks an SM: {} (plain), {} (b4)",
-        occ.sms, occ.fit, occ.fit_b4
+        "{} SMs; projection blocks an SM: {} (plain), {} (b4); peak memory {:.0} GB/s",
+        occ.sms, occ.fit, occ.fit_b4, occ.mem_gbps
     );
     let auto = StepOptions::auto(&shape, occ);
     let mut gemms = Vec::new();
-    for p in Proj::ALL {
+    for p in Proj::ALL.into_iter().filter(|_| !args.skip_gemm) {
         let (n, k) = p.dims(&shape);
         let bench = GemmBench::new(&gpu, n, k)?;
         let foldable = matches!(p, Proj::Qkv | Proj::GateUp);
         for rows in [1, 16] {
             let mut best: Option<(f64, GemmPlan)> = None;
-            for plan in GemmPlan::ALL.into_iter().filter(|p| p.fits(k)) {
+            for plan in GemmPlan::ALL.into_iter().filter(|p| p.fits(n, k)) {
                 for norm in [false, true] {
                     if norm && !foldable {
                         continue;

@@ -10,12 +10,13 @@
 //!    rewritten window (rollback), each against the reference's logits; graph replay and
 //!    eager launches must agree bit for bit, a window of 8 must equal 8 single steps bit for
 //!    bit (batch invariance; once across the first attention split's end), and launches with
-//!    programmatic dependent launch likewise. Each model runs under five kernel sequences:
+//!    programmatic dependent launch likewise. Each model runs under six kernel sequences:
 //!    the default (norms folded), last session's unfused one with the plain projection kernel,
 //!    the 64-register kernel everywhere with the merge inside the attention kernel at 1-2 rows
 //!    (so a window of 8, merged by its own kernel, is held to the bits of single steps merged
 //!    in the attention kernel), the norms apart with the deep kernel and every window merging
-//!    in the attention kernel, and K split over clusters of 2 and 4 blocks.
+//!    in the attention kernel, K split over clusters of 2 and 4 blocks, and the 16-column
+//!    kernels.
 //!
 //! Prints one line per check and exits 1 if any fails.
 
@@ -99,6 +100,10 @@ fn main() -> Result<()> {
             (
                 "split 2 and 4, folded",
                 variant("auto+fold+qkv=b4x2+o_proj=plainx4+gate_up=plainx2+down=b4x4+lm_head=b4x2"),
+            ),
+            (
+                "16 columns a block, folded",
+                variant("auto+fold+qkv=w16+o_proj=w16d+gate_up=w16d+down=w16+lm_head=w16"),
             ),
         ] {
             failures += check_forward(&format!("{name} {variant}"), shape.clone(), options, seed)?;
@@ -233,7 +238,7 @@ fn check_gemm(
     };
     let (mi, ni, ki) = (m as i32, n as i32, k as i32);
     let mut results = Vec::new();
-    for &plan in plans.iter().filter(|p| p.fits(k)) {
+    for &plan in plans.iter().filter(|p| p.fits(n, k)) {
         if mode == 2 {
             // bf16 output: poison with bf16 NaN.
             gpu.upload(&dout, 0, &vec![bf16::NAN.to_bits(); out_len])?;
